@@ -1,0 +1,33 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Each creates .venv when missing.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test verify bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c constraints.txt -e '.[test,orbax]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/zephon demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+verify: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+	$(VENV)/bin/zephon verify
+
+bench: $(STAMP)
+	$(VENV)/bin/zephon bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info
