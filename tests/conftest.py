@@ -1,0 +1,6 @@
+"""Shared test set-up: 8 fake CPU devices for jax, set before anything imports jax."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
