@@ -14,6 +14,7 @@ so a checkpoint can prove which plan wrote it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -115,17 +116,15 @@ class Node:
     # --- serialisation -----------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": type(self).__name__}
-        for name, f in self.__dataclass_fields__.items():  # type: ignore[attr-defined]
-            if not f.compare:
-                continue
-            v = getattr(self, name)
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
             if isinstance(v, Node):
                 v = v.to_json()
             elif isinstance(v, tuple) and v and isinstance(v[0], Node):
                 v = [c.to_json() for c in v]
             elif isinstance(v, tuple):
                 v = list(v)
-            out[name] = v
+            out[f.name] = v
         return out
 
     @staticmethod
@@ -186,7 +185,11 @@ class Source(Node):
 
 @dataclass(frozen=True)
 class Shuffle(Node):
-    """A keyed bijection per epoch. Over a repeated stream it permutes within each epoch."""
+    """A keyed bijection per epoch.
+
+    Over a repeated stream (a child with a `period`) it permutes within each epoch, so every
+    record still appears once per epoch; otherwise it permutes the whole (finite) child.
+    """
 
     child: Node
     seed: int
@@ -208,8 +211,8 @@ class Shuffle(Node):
 
     @property
     def _block(self) -> int:
-        n = self.child.length
-        return n if n is not None else self.child.period  # type: ignore[return-value]
+        p = self.child.period
+        return p if p is not None else self.child.length  # type: ignore[return-value]
 
     def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
         n = self._block
