@@ -1,0 +1,216 @@
+"""Loader: elastic determinism over D and mappings, resume, lane state, refusals, atomic state."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from zephon import (Filter, Loader, Map, Node, PlanError, RandomMap, Source, StateError, load_state,
+                    merge_states, save_state)
+from zephon.backends import numpy as npb
+from zephon.sources.memory import ArraySource
+from zephon.verify import explain_mismatch, first_mismatch, lane_digests, run_fingerprints, step_fingerprint
+
+N = 503  # prime: lanes never divide it evenly
+
+
+@pytest.fixture
+def src():
+    x = np.arange(N * 4, dtype=np.int32).reshape(N, 4)
+    return ArraySource({"x": x, "id": np.arange(N, dtype=np.int64), "f": np.linspace(0, 1, N, dtype=np.float32)})
+
+
+def plan(mapping="contiguous", lanes=8, batch=32, seed=3):
+    return Source(N).shuffle(seed).repeat().lanes(lanes, mapping).batch(batch)
+
+
+def global_batches(p, src, steps, world=1, transforms=(), **kw):
+    """Reassembles global batches from all ranks' local rows, placing rows by lane."""
+    loaders = [Loader(p, src, transforms, rank=r, world=world, **kw) for r in range(world)]
+    out = []
+    for _ in range(steps):
+        parts = [next(l) for l in loaders]
+        rows = {}
+        for b in parts:
+            for i, lane in enumerate(b.lanes):
+                rows[int(lane)] = {k: v[b.lane_slice(i)] for k, v in b.data.items()}
+        out.append({k: np.concatenate([rows[l][k] for l in sorted(rows)]) for k in rows[0]})
+    return out
+
+
+@pytest.mark.parametrize("mapping", ["contiguous", "interleaved"])
+def test_global_batches_identical_for_every_degree(src, mapping):
+    p = plan(mapping)
+    ref = global_batches(p, src, 12)
+    for D in (2, 4, 8):
+        got = global_batches(p, src, 12, world=D)
+        for a, b in zip(ref, got):
+            assert all(np.array_equal(a[k], b[k]) for k in a)
+    # the reference global batch is exactly the plan's records, lane-major
+    assert np.array_equal(ref[5]["id"], p.refs(5).record)
+
+
+def test_contiguous_rank_rows_are_a_block_of_the_global_batch(src):
+    p = plan()
+    full = Loader(p, src).batch(7).data["x"]
+    for D in (2, 4):
+        for r in range(D):
+            b = Loader(p, src, rank=r, world=D).batch(7)
+            assert b.contiguous and b.row_offset == r * 32 // D
+            assert np.array_equal(b.data["x"], full[r * 32 // D:(r + 1) * 32 // D])
+            assert npb.global_shapes(b) == {"x": (32, 4), "id": (32,), "f": (32,)}
+
+
+def test_fingerprints_independent_of_degree_and_mapping(src):
+    fps = {}
+    for mapping in ("contiguous", "interleaved"):
+        p = plan(mapping)
+        for D in (1, 2, 4, 8):
+            fps[mapping, D] = run_fingerprints([Loader(p, src, rank=r, world=D) for r in range(D)], 10)
+    assert len({tuple(v) for k, v in fps.items() if k[0] == "contiguous"}) == 1
+    assert len({tuple(v) for k, v in fps.items() if k[0] == "interleaved"}) == 1
+
+
+def test_resume_equals_uninterrupted(src, tmp_path):
+    p = plan()
+    full = [b.data["x"] for _, b in zip(range(20), Loader(p, src))]
+    a = Loader(p, src)
+    for _ in range(9):
+        next(a)
+    save_state(tmp_path / "s.json", a.state())
+    b = Loader(p, src)
+    b.restore(load_state(tmp_path / "s.json"))
+    rest = [next(b).data["x"] for _ in range(11)]
+    assert all(np.array_equal(x, y) for x, y in zip(full[9:], rest))
+
+
+def test_finite_plan_stops_after_full_batches(src):
+    p = Source(N).shuffle(1).lanes(4).batch(8)  # one epoch: 503 // 4 = 125 per lane, 2 per batch
+    batches = list(Loader(p, src))
+    assert len(batches) == p.num_steps == 62
+    ids = np.concatenate([b.data["id"] for b in batches])
+    assert len(np.unique(ids)) == len(ids) == 496
+
+
+def test_random_map_is_a_function_of_the_record_not_the_rank(src):
+    def jitter(r, rng):
+        return {**r, "noise": rng.integers(0, 2**31, size=3)}
+    p = plan()
+    ref = global_batches(p, src, 5, transforms=[RandomMap(jitter)], seed=11)
+    got = global_batches(p, src, 5, world=4, transforms=[RandomMap(jitter)], seed=11)
+    assert all(np.array_equal(a["noise"], b["noise"]) for a, b in zip(ref, got))
+    other = global_batches(p, src, 1, transforms=[RandomMap(jitter)], seed=12)
+    assert not np.array_equal(ref[0]["noise"], other[0]["noise"])
+    # the same record in another epoch gets fresh randomness
+    p1 = Source(N).repeat().lanes(1).batch(N)
+    l = Loader(p1, src, [RandomMap(jitter)], seed=11)
+    e0, e1 = next(l).data["noise"], next(l).data["noise"]
+    assert not np.array_equal(e0, e1)
+
+
+def test_batched_map(src):
+    p = plan()
+    got = next(Loader(p, src, [Map(lambda c: {**c, "x2": c["x"] * 2}, batched=True)])).data
+    assert np.array_equal(got["x2"], got["x"] * 2)
+
+
+def test_filter_lanes_carry_state_and_stay_elastic(src):
+    keep = Filter(lambda r: r["id"] % 3 != 0)
+    p = plan()
+    ref = global_batches(p, src, 12, transforms=[keep])
+    for a in ref:
+        assert (a["id"] % 3 != 0).all()
+    for D in (2, 8):
+        got = global_batches(p, src, 12, world=D, transforms=[keep])
+        assert all(np.array_equal(a["id"], b["id"]) for a, b in zip(ref, got))
+    # every lane's outputs are that lane's inputs, filtered, in order
+    lane0 = np.concatenate([g["id"][:4] for g in ref])
+    stream = p.lanes.resolve(np.arange(0, 8 * 100, 8)).record
+    assert np.array_equal(lane0, stream[stream % 3 != 0][:48])
+
+
+def test_filter_state_saved_at_D2_restores_at_D8(src):
+    keep = Filter(lambda r: r["id"] % 5 < 2)
+    p = plan()
+    ref = global_batches(p, src, 14, transforms=[keep])
+    ranks = [Loader(p, src, [keep], rank=r, world=2) for r in range(2)]
+    for _ in range(6):
+        for l in ranks:
+            next(l)
+    merged = json.loads(json.dumps(merge_states([l.state() for l in ranks])))
+    new = [Loader(p, src, [keep], rank=r, world=8) for r in range(8)]
+    for l in new:
+        l.restore(merged)
+    for k in range(6, 14):
+        ids = np.concatenate([next(l).data["id"] for l in new])
+        assert np.array_equal(ids, ref[k]["id"])
+    with pytest.raises(StateError, match="lacks lanes"):
+        Loader(p, src, [keep], rank=1, world=2).restore(ranks[0].state())
+
+
+def test_filter_that_drops_everything_ends_a_finite_plan(src):
+    p = Source(N).lanes(2).batch(4)
+    assert list(Loader(p, src, [Filter(lambda r: False)])) == []
+
+
+def test_state_from_another_plan_is_refused_naming_the_difference(src):
+    a = Loader(plan(seed=3), src)
+    next(a)
+    with pytest.raises(StateError, match=r"another plan.*seed: 3 != 4"):
+        Loader(plan(seed=4), src).restore(a.state())
+    with pytest.raises(StateError, match="seed"):
+        Loader(plan(seed=3), src, seed=9).restore(a.state())
+    with pytest.raises(StateError, match="not a Zephon loader state"):
+        a.restore({"step": 3})
+
+
+def test_bad_loader_inputs(src):
+    with pytest.raises(PlanError, match="not divisible by the data-parallel degree 3"):
+        Loader(plan(), src, rank=0, world=3)
+    with pytest.raises(PlanError, match="declares 600 records"):
+        Loader(Source(600).lanes(2).batch(2), src)
+    with pytest.raises(PlanError, match="Source id 1"):
+        Loader(Node.mix([Source(N, id=0), Source(N, id=1)]).lanes(2).batch(2), src)
+    with pytest.raises(PlanError, match="non-negative"):
+        Loader(plan(), src).seek(-2)
+
+
+def test_mix_of_sources_reads_each_with_one_call(src):
+    calls = []
+
+    class Counting(ArraySource):
+        def read(self, idx):
+            calls.append(len(idx))
+            return super().read(idx)
+
+    a = Counting({"x": np.zeros((50, 2), np.int32)})
+    b = Counting({"x": np.ones((30, 2), np.int32)})
+    p = Node.mix([Source(50, id=0).shuffle(1).repeat(), Source(30, id=1).shuffle(2).repeat()], [3, 1]).lanes(4).batch(16)
+    got = next(Loader(p, [a, b])).data["x"]
+    assert sorted(calls) == [4, 12] and got.sum() == 4 * 2
+
+
+def test_save_state_is_atomic_and_load_state_refuses_garbage(tmp_path, src):
+    path = tmp_path / "state.json"
+    l = Loader(plan(), src)
+    next(l)
+    save_state(path, l.state())
+    assert [p for p in os.listdir(tmp_path) if p != "state.json"] == []
+    path.write_text('{"zephon_state": 1, "ste')
+    with pytest.raises(StateError, match="not valid JSON"):
+        load_state(path)
+    with pytest.raises(StateError, match="no loader state"):
+        load_state(tmp_path / "missing.json")
+
+
+def test_mismatch_report_names_step_lane_field(src):
+    p = plan()
+    a = Loader(p, src)
+    b = Loader(p, src, [Map(lambda c: {**c, "x": np.where(np.arange(len(c["x"]))[:, None] == 9, 0, c["x"])},
+                            batched=True)])
+    fa = [step_fingerprint(lane_digests(next(a))) for _ in range(2)]
+    fb = [step_fingerprint(lane_digests(next(b))) for _ in range(2)]
+    assert first_mismatch(fa, fb) == 0
+    m = explain_mismatch(0, a.batch(0), b.batch(0))
+    assert (m.step, m.lane, m.field) == (0, 2, "x")  # row 9 sits in lane 2 (4 rows per lane)
