@@ -1,0 +1,204 @@
+"""ArrayRecord files (one file, a shard set, or a glob) as one random-access source.
+
+Global record `i` lives in the shard whose cumulative count first exceeds `i`. A read sends one
+`ArrayRecordReader.read(local_indices)` per shard touched (the C++ reader fetches them in
+parallel), then scatters the records back to request order and decodes them all at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ..errors import SourceError
+from .base import Columns, as_indices
+from .paths import Paths, expand_paths, shard_name
+from .spec import RawBytes, RecordSpec
+
+log = logging.getLogger(__name__)
+
+# Grain's settings for random access: no readahead (reads are scattered), a small file buffer.
+# The reader's own thread pool stays on, which is what makes `read(indices)` parallel.
+RANDOM_ACCESS_OPTIONS = "readahead_buffer_size:0"
+_FILE_READER_BUFFER_SIZE = 32768
+WRITER_OPTIONS = "group_size:1"
+
+
+def _module() -> Any:
+    from array_record.python import array_record_module
+
+    return array_record_module
+
+
+def _open_reader(path: str, options: str) -> Any:
+    """Opens a reader, turning the reader's silent failure mode into an error.
+
+    ArrayRecordReader never raises on open: on a missing, truncated or corrupt file it returns
+    a reader with `ok() == False` and `num_records() == 0`, and some such readers then return
+    empty records instead of raising. The sequential `read()` is the one call that reports the
+    reader's status message, so it supplies the reason.
+    """
+    reader = _module().ArrayRecordReader(path, options,
+                                         file_reader_buffer_size=_FILE_READER_BUFFER_SIZE)
+    if reader.ok():
+        return reader
+    try:
+        reader.read()
+        reason = "unknown reason"
+    except Exception as e:  # the status message is all the reader offers
+        reason = str(e) or "no reason given by the reader"
+    with contextlib.suppress(RuntimeError):  # close() re-raises the same status
+        reader.close()
+    raise SourceError(f"ArrayRecord file {path!r} cannot be opened: {reason}. It is truncated, "
+                      "corrupt or not an ArrayRecord file; rewrite it (or restore it from the "
+                      "original) before reading.")
+
+
+def _count_records(path: str, options: str) -> int:
+    reader = _open_reader(path, options)
+    try:
+        writer_options = reader.writer_options_string() or ""
+        group = re.search(r"group_size:(\d+)", writer_options)
+        if group and group[1] != "1":
+            log.warning("%s was written with group_size:%s; every random read decompresses a group "
+                        "of records. Rewrite it with group_size:1 for fast shuffled reads.",
+                        path, group[1])
+        return int(reader.num_records())
+    finally:
+        reader.close()
+
+
+class ArrayRecordSource:
+    """Random-access records from ArrayRecord files, decoded by `spec`.
+
+    Readers are opened lazily and are never pickled, and a forked child opens its own, so the
+    source can be shipped to worker processes as is.
+    """
+
+    def __init__(self, paths: Paths, spec: RecordSpec | None = None,
+                 reader_options: str = RANDOM_ACCESS_OPTIONS) -> None:
+        self.paths = expand_paths(paths, "ArrayRecordSource")
+        self.spec: RecordSpec = spec if spec is not None else RawBytes()
+        self.reader_options = reader_options
+        with ThreadPoolExecutor(min(16, len(self.paths))) as pool:  # opening reads each footer
+            counts = np.fromiter(pool.map(lambda p: _count_records(p, reader_options), self.paths),
+                                 dtype=np.int64, count=len(self.paths))
+        self._ends = np.cumsum(counts)
+        self._starts = self._ends - counts
+        self._reset_readers()
+        log.debug("%r: %d records in %d files", self, len(self), len(self.paths))
+        self._what = repr(self)  # as_indices names the source; repr is too slow per read
+
+    def _reset_readers(self) -> None:
+        self._readers: list[Any] = [None] * len(self.paths)
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def __repr__(self) -> str:
+        head = self.paths[0] + (f" (+{len(self.paths) - 1} more)" if len(self.paths) > 1 else "")
+        return f"ArrayRecordSource({head!r}, spec={self.spec!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in ("_readers", "_lock", "_pid"):
+            del state[key]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_readers()
+
+    def _reader(self, shard: int) -> Any:
+        if self._pid != os.getpid():  # forked: the parent's readers are not ours to share
+            self._reset_readers()
+        reader = self._readers[shard]
+        if reader is None:
+            with self._lock:
+                reader = self._readers[shard]
+                if reader is None:
+                    reader = _open_reader(self.paths[shard], self.reader_options)
+                    self._readers[shard] = reader
+        return reader
+
+    def read(self, indices: np.ndarray) -> Columns:
+        idx = as_indices(indices, len(self), self._what)
+        shard = np.searchsorted(self._ends, idx, side="right")
+        local = idx - self._starts[shard]
+        order = np.argsort(shard, kind="stable")
+        cuts = np.flatnonzero(np.diff(shard[order])) + 1
+        records = np.empty(len(idx), dtype=object)
+        for positions in np.split(order, cuts) if idx.size else ():
+            s = int(shard[positions[0]])
+            got = self._read_shard(s, local[positions], idx[positions])
+            records[positions] = np.fromiter(got, dtype=object, count=len(positions))
+
+        def locate(i: int) -> str:
+            return (f"{self.paths[int(shard[i])]}: record {int(idx[i])} (record {int(local[i])} "
+                    f"of shard {int(shard[i])})")
+
+        return self.spec.decode(records, locate)
+
+    def _read_shard(self, shard: int, local: np.ndarray, global_idx: np.ndarray) -> list[bytes]:
+        reader = self._reader(shard)
+        try:
+            return reader.read(local.tolist())
+        except RuntimeError as e:
+            failed = self._first_failing(reader, local, global_idx)
+            raise SourceError(f"{self.paths[shard]}: reading {failed} failed: {e}. The file is "
+                              "corrupt; rewrite it (or restore it from the original).") from e
+
+    @staticmethod
+    def _first_failing(reader: Any, local: np.ndarray, global_idx: np.ndarray) -> str:
+        """Pins a failed batch read on one record, so the error names it (error path only)."""
+        for g, l in zip(global_idx.tolist(), local.tolist()):
+            try:
+                reader.read([l])
+            except RuntimeError:
+                return f"record {g} (record {l} of this shard)"
+        return f"records {global_idx[:8].tolist()}{' ...' if len(global_idx) > 8 else ''}"
+
+
+def write_array_record(path: str | os.PathLike[str], records: Iterable[bytes],
+                       options: str = WRITER_OPTIONS) -> int:
+    """Writes one ArrayRecord file (group_size:1, for random access); returns the record count."""
+    path = os.fspath(path)
+    writer = _module().ArrayRecordWriter(path, options)
+    if not writer.ok():
+        raise SourceError(f"cannot create ArrayRecord file {path!r}; check that its directory "
+                          "exists and is writable.")
+    count = 0
+    try:
+        for record in records:
+            writer.write(record)
+            count += 1
+    finally:
+        writer.close()
+    return count
+
+
+def write_sharded_array_record(prefix: str | os.PathLike[str], records: Iterable[bytes],
+                               num_shards: int, options: str = WRITER_OPTIONS) -> list[str]:
+    """Splits `records` into `num_shards` contiguous blocks named `prefix-0000i-of-0000N`.
+
+    Contiguous blocks keep global record `i` equal to the `i`-th record written, which is what
+    `ArrayRecordSource(prefix + '@N')` numbers. Returns the shard paths.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    items: Sequence[bytes] = records if isinstance(records, Sequence) else list(records)
+    bounds = np.arange(num_shards + 1) * len(items) // num_shards
+    paths = [shard_name(os.fspath(prefix), i, num_shards) for i in range(num_shards)]
+    for path, start, stop in zip(paths, bounds[:-1], bounds[1:]):
+        write_array_record(path, items[start:stop], options)
+    return paths

@@ -1,0 +1,231 @@
+"""Parquet files as a random-access source.
+
+Parquet's unit of decoding is the row group, so a read decodes each row group it touches once
+and gathers the requested rows from it; a small LRU keeps recently decoded groups, which is what
+makes a shuffle over a window of nearby groups cheap. Construction reads footers only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import DecodeError, SourceError
+from .base import Columns, as_indices
+from .paths import Paths, expand_paths
+
+log = logging.getLogger(__name__)
+
+
+class ParquetSource:
+    """Rows of Parquet files (concatenated in order) as columns.
+
+    Conversion depends on the schema only, never on the values a read happens to touch, so a
+    column has the same dtype and shape whichever rows (and so whichever rank) reads it:
+    numbers -> 1-D arrays; fixed-size lists -> N-D arrays; strings/binary -> object arrays;
+    variable lists -> object arrays of 1-D arrays, or 2-D arrays for the columns named in
+    `list_lengths` (each row must then have exactly that length); structs -> one column per
+    field, named "struct/field". All files must share one schema for the selected columns.
+    """
+
+    def __init__(self, paths: Paths, columns: Sequence[str] | None = None, *,
+                 list_lengths: Mapping[str, int] | None = None, cache_row_groups: int = 4) -> None:
+        self.paths = expand_paths(paths, "ParquetSource")
+        self.list_lengths = dict(list_lengths or {})
+        self.cache_row_groups = cache_row_groups
+        files = [self._open(p) for p in self.paths]
+        schema = files[0].schema_arrow
+        self.columns = list(columns) if columns is not None else list(schema.names)
+        for path, f in zip(self.paths, files):
+            for name in self.columns:
+                if f.schema_arrow.get_field_index(name) < 0:
+                    raise SourceError(f"{path}: has no column {name!r} (it has "
+                                      f"{f.schema_arrow.names}); fix `columns` or the file.")
+                if not f.schema_arrow.field(name).type.equals(schema.field(name).type):
+                    raise SourceError(
+                        f"{path}: column {name!r} is {f.schema_arrow.field(name).type} but in "
+                        f"{self.paths[0]} it is {schema.field(name).type}; every file must share "
+                        "one schema so a column's dtype does not depend on which file a row is in.")
+        unknown = sorted(set(self.list_lengths) - set(self.columns))
+        if unknown:
+            raise ValueError(f"ParquetSource: list_lengths names {unknown}, which are not among "
+                             f"the selected columns {self.columns}")
+        self._schema = schema
+        meta = [(fi, g, f.metadata.row_group(g).num_rows)
+                for fi, f in enumerate(files) for g in range(f.metadata.num_row_groups)]
+        self._group_file = np.array([m[0] for m in meta], dtype=np.int64)
+        self._group_local = np.array([m[1] for m in meta], dtype=np.int64)
+        rows = np.array([m[2] for m in meta], dtype=np.int64)
+        self._group_ends = np.cumsum(rows)
+        self._group_starts = self._group_ends - rows
+        self._reset(files)
+        log.debug("%r: %d rows in %d row groups", self, len(self), len(rows))
+        self._what = repr(self)  # as_indices names the source; repr is too slow per read
+
+    @staticmethod
+    def _open(path: str) -> Any:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as e:
+            raise SourceError(f"Parquet file {path!r} cannot be opened: {e}. It is truncated, "
+                              "corrupt or not Parquet; rewrite it before reading.") from e
+
+    def _reset(self, files: list[Any] | None = None) -> None:
+        self._files: list[Any] = files or [None] * len(self.paths)
+        self._file_locks = [threading.Lock() for _ in self.paths]
+        self._cache: OrderedDict[int, Columns] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return int(self._group_ends[-1]) if len(self._group_ends) else 0
+
+    def __repr__(self) -> str:
+        head = self.paths[0] + (f" (+{len(self.paths) - 1} more)" if len(self.paths) > 1 else "")
+        return f"ParquetSource({head!r}, columns={self.columns})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in ("_files", "_file_locks", "_cache", "_cache_lock", "_pid"):
+            del state[key]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    def read(self, indices: np.ndarray) -> Columns:
+        idx = as_indices(indices, len(self), self._what)
+        if idx.size == 0:
+            return self._convert(self._schema.empty_table().select(self.columns), lambda i: "")
+        group = np.searchsorted(self._group_ends, idx, side="right")
+        row = idx - self._group_starts[group]
+        order = np.argsort(group, kind="stable")
+        cuts = np.flatnonzero(np.diff(group[order])) + 1
+        pieces = [(pos, self._row_group(int(group[pos[0]]))) for pos in np.split(order, cuts)]
+        out: Columns = {}
+        for name, first in pieces[0][1].items():
+            column = np.empty((len(idx), *first.shape[1:]), dtype=first.dtype)
+            for pos, decoded in pieces:
+                column[pos] = decoded[name][row[pos]]
+            out[name] = column
+        return out
+
+    def _row_group(self, group: int) -> Columns:
+        if self._pid != os.getpid():  # forked: open our own files, start a fresh cache
+            self._reset()
+        with self._cache_lock:
+            if group in self._cache:
+                self._cache.move_to_end(group)
+                return self._cache[group]
+        import pyarrow as pa
+
+        file, local = int(self._group_file[group]), int(self._group_local[group])
+        path, first = self.paths[file], int(self._group_starts[group])
+        with self._file_locks[file]:  # a ParquetFile is not safe to read from two threads
+            if self._files[file] is None:
+                self._files[file] = self._open(path)
+            try:
+                table = self._files[file].read_row_group(local, columns=self.columns)
+            except (OSError, pa.ArrowException) as e:
+                raise SourceError(f"{path}: row group {local} (records {first}.."
+                                  f"{int(self._group_ends[group]) - 1}) cannot be read: {e}. The "
+                                  "file is corrupt or truncated; rewrite it.") from e
+        decoded = self._convert(table, lambda i: f"{path}: record {first + i} (row {i} of row "
+                                                 f"group {local})")
+        with self._cache_lock:
+            self._cache[group] = decoded
+            while len(self._cache) > self.cache_row_groups:
+                self._cache.popitem(last=False)
+        return decoded
+
+    def _convert(self, table: Any, locate: Callable[[int], str]) -> Columns:
+        out: Columns = {}
+        for name, column in zip(table.column_names, table.columns):
+            _convert_array(name, column.combine_chunks(), self.list_lengths.get(name), locate, out)
+        return out
+
+
+def _convert_array(name: str, arr: Any, list_length: int | None, locate: Callable[[int], str],
+                   out: Columns) -> None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        arr, t = arr.dictionary_decode(), t.value_type
+    if pa.types.is_struct(t):
+        _require_no_nulls(name, arr, locate)
+        for field, child in zip(t, arr.flatten()):
+            _convert_array(f"{name}/{field.name}", child, None, locate, out)
+        return
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) \
+            or pa.types.is_large_binary(t):
+        out[name] = arr.to_numpy(zero_copy_only=False)  # object array; a null is None
+        return
+    _require_no_nulls(name, arr, locate)
+    if pa.types.is_fixed_size_list(t):
+        values = _values(name, arr, locate)
+        out[name] = values.reshape((len(arr), t.list_size, *values.shape[1:]))
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        values = _values(name, arr, locate)
+        lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False).astype(np.int64)
+        if list_length is not None:
+            bad = np.flatnonzero(lengths != list_length)
+            if bad.size:
+                raise DecodeError(f"{locate(int(bad[0]))}: column {name!r} has {lengths[bad[0]]} "
+                                  f"items but list_lengths says {list_length}; fix list_lengths or "
+                                  "drop it to get the rows as an object array.")
+            out[name] = values.reshape((len(arr), list_length, *values.shape[1:]))
+        else:
+            out[name] = np.fromiter(np.split(values, np.cumsum(lengths)[:-1]), dtype=object,
+                                    count=len(arr)) if len(arr) else np.empty(0, dtype=object)
+    else:
+        out[name] = arr.to_numpy(zero_copy_only=False)
+
+
+def _values(name: str, arr: Any, locate: Callable[[int], str]) -> np.ndarray:
+    """A list array's items (respecting slicing), converted with the same rules."""
+    inner: Columns = {}
+    _convert_array(name, arr.flatten(), None, locate, inner)
+    return inner[name]
+
+
+def _require_no_nulls(name: str, arr: Any, locate: Callable[[int], str]) -> None:
+    """Nulls are refused rather than filled: filling would change a numeric column's dtype."""
+    if arr.null_count:
+        first = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
+        raise DecodeError(f"{locate(first)}: column {name!r} is null. Fill nulls when writing the "
+                          "file, or leave the column out with `columns=`.")
+
+
+def write_parquet(path: str | os.PathLike[str], columns: Mapping[str, np.ndarray],
+                  row_group_size: int) -> None:
+    """Writes equal-length arrays as one Parquet file; N-D numeric arrays become fixed-size lists
+    (so they read back N-D), object arrays become strings, binary or variable lists."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    arrays = {k: np.asarray(v) for k, v in columns.items()}
+    lengths = {k: len(v) for k, v in arrays.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"write_parquet: columns have different lengths {lengths}")
+    table = {}
+    for name, value in arrays.items():
+        if value.dtype == object:
+            table[name] = pa.array(list(value))
+            continue
+        arrow = pa.array(value.reshape(-1))
+        for size in reversed(value.shape[1:]):
+            arrow = pa.FixedSizeListArray.from_arrays(arrow, size)
+        table[name] = arrow
+    pq.write_table(pa.table(table), os.fspath(path), row_group_size=row_group_size)
