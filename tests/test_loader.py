@@ -109,6 +109,13 @@ def test_random_map_is_a_function_of_the_record_not_the_rank(src):
     assert not np.array_equal(e0, e1)
 
 
+def test_two_random_maps_draw_independently(src):
+    def draw(name):
+        return RandomMap(lambda r, rng: {**r, name: rng.integers(0, 2**31, size=4)})
+    got = next(Loader(plan(), src, [draw("a"), draw("b")], seed=5)).data
+    assert not np.array_equal(got["a"], got["b"])
+
+
 def test_batched_map(src):
     p = plan()
     got = next(Loader(p, src, [Map(lambda c: {**c, "x2": c["x"] * 2}, batched=True)])).data

@@ -135,7 +135,8 @@ class Node:
         kind = obj.pop("type", None)
         cls = Node._registry.get(kind or "")
         if cls is None:
-            raise PlanError(f"unknown plan node type {kind!r}; known: {sorted(Node._registry)}")
+            raise PlanError(f"unknown plan node type {kind!r}; known: {sorted(Node._registry)}. Plans "
+                            "with Grain-order nodes need `import zephon.compat.grain` first.")
         args: dict[str, Any] = {}
         for k, v in obj.items():
             if k == "child":

@@ -53,6 +53,12 @@ def record_seeds(seed: int, refs: Refs) -> np.ndarray:
     return np.broadcast_to(h, refs.record.shape)
 
 
+def transform_seed(seed: int, position: int) -> int:
+    """The seed of the transform at `position` in a pipeline seeded with `seed`."""
+    mixed = splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ splitmix64(np.uint64(position)))
+    return int(mixed) & 0x7FFFFFFFFFFFFFFF
+
+
 def record_rng(seed: int) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(key=int(seed)))
 
@@ -129,10 +135,14 @@ class Filter(Transform):
 
 def run_transforms(transforms: tuple[Transform, ...], cols: Columns, refs: Refs,
                    seed: int) -> tuple[Columns, np.ndarray]:
-    """Applies transforms in order; returns surviving columns and the indices of surviving rows."""
+    """Applies transforms in order; returns surviving columns and the indices of surviving rows.
+
+    Each transform gets its own seed, derived from (seed, its position in the pipeline), so two
+    RandomMaps in one pipeline draw independent numbers for the same record.
+    """
     kept = np.arange(len(refs))
-    for t in transforms:
-        cols, keep = t.apply(cols, refs, seed)
+    for i, t in enumerate(transforms):
+        cols, keep = t.apply(cols, refs, transform_seed(seed, i))
         if keep is not None and not keep.all():
             cols = {k: v[keep] for k, v in cols.items()}
             refs = refs.take(keep)
