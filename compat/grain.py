@@ -1,0 +1,1186 @@
+"""Grain compatibility: Grain's sources, transforms, API shape, record order and checkpoints.
+
+A Grain user switches by changing the import and keeps the pipeline:
+
+    ds = grain.MapDataset.source(src).shuffle(seed=7).repeat().map(f).batch(32)        # Grain
+    ds = zephon.compat.grain.Dataset.source(src).shuffle(seed=7).repeat().map(f).batch(32)
+
+`iter(ds)` yields numpy batches with Grain's structure, and in the default `order="grain"`
+they are Grain's batches bit for bit: the plan computes Grain's own shuffle, mix and sampler
+order (`zephon.compat.grain_order`), `MapWithIndex` sees Grain's index and `RandomMap` draws
+from Grain's own per-index generator. Zephon's lanes, data-parallel ranks, runners and
+checkpoints come on top, and none of them changes the batches. `Dataset.to_grain()` builds the
+equivalent real Grain pipeline and `grain_fingerprints` digests its batches exactly like
+`zephon.verify` digests Zephon's, so Grain is one more column of the verify matrix.
+
+Records. A Grain source returns Python objects; they travel as one object column (`RECORD`)
+through the Grain transforms, which therefore see exactly what Grain would hand them, and are
+stacked into columns once at the end: dict keys (nested with "/") or tuple positions become
+field names, a bare value becomes `VALUE`; numbers and arrays stack as Grain's `np.stack` does,
+while bytes and str stay object arrays — exact, and the same whatever the data-parallel degree
+(Grain's fixed-width S/U arrays would depend on which rows are stacked together).
+
+Plans holding Grain nodes load with `Node.from_json` only after `import zephon.compat.grain`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Iterator as TypingIterator, Mapping, Sequence
+
+import grain
+import numpy as np
+
+from zephon.errors import DecodeError, PlanError, StateError
+from zephon.loader import Loader, LocalBatch, read_refs
+from zephon.plan import Batch, Mix, Node, Refs, Repeat, Shuffle, Slice, Source
+from zephon.sources.base import Columns, RecordSource, as_indices
+from zephon.transforms import Transform, record_rng, record_seeds, run_transforms
+from zephon.verify import global_fingerprint, run_fingerprints
+
+from zephon.compat.grain_order import (  # noqa: F401 - re-exported; importing registers nodes
+    GRAIN_INFINITE, ContiguousBatches, GrainIndex, GrainLoaderOrder, GrainMix, GrainSampler,
+    GrainShuffle, IndexedRefs, even_split, grain_proportions, index_shuffle, mix_selection)
+
+log = logging.getLogger(__name__)
+
+RECORD = "__record__"
+"""Column holding whole Grain records (Python objects) between source and final stacking."""
+VALUE = "__value__"
+"""Field name of a record that is a bare value rather than a dict or tuple."""
+RNG = "__rng__"
+"""Column of per-record generators that `grain.DataLoader` shares between its RandomMaps."""
+
+Order = str  # "grain" | "zephon"
+
+READ_AHEAD = 2048
+"""Rows a compat loader reads (and transforms) ahead in one group. Grain records pass through
+Python transforms record by record, so large group reads buy little and cost latency: the first
+batch, and every restore, waits for the whole group."""
+
+
+# --- records <-> columns -------------------------------------------------------------------------
+
+def _flatten(x: Any, path: str, out: dict[str, Any]) -> None:
+    if isinstance(x, Mapping):
+        if not x:
+            raise DecodeError(f"record field {path or '<root>'!r} is an empty dict; Zephon stacks "
+                              "records into columns and needs at least one leaf per dict.")
+        for k, v in x.items():
+            if not isinstance(k, str) or "/" in k or not k:
+                raise DecodeError(f"record key {k!r} under {path or '<root>'!r} must be a non-empty "
+                                  "str without '/' (Zephon joins nested keys with '/').")
+            _flatten(v, f"{path}/{k}" if path else k, out)
+    elif isinstance(x, (tuple, list)):
+        if not x:
+            raise DecodeError(f"record field {path or '<root>'!r} is an empty sequence; return at "
+                              "least one value or drop the field.")
+        for i, v in enumerate(x):
+            _flatten(v, f"{path}/{i}" if path else str(i), out)
+    else:
+        out[path or VALUE] = x
+
+
+def flatten_record(record: Any) -> dict[str, Any]:
+    """{field name: leaf} of one Grain record (dicts nest with '/', tuples by position)."""
+    out: dict[str, Any] = {}
+    _flatten(record, "", out)
+    return out
+
+
+def _is_text(v: Any) -> bool:
+    return isinstance(v, (bytes, str)) or (isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "SU")
+
+
+def _plain_text(v: Any) -> Any:
+    """np.str_/np.bytes_/0-d S|U arrays -> str/bytes, so digests do not see numpy's repr."""
+    if isinstance(v, np.ndarray):
+        v = v.item()
+    return str(v) if isinstance(v, str) else bytes(v)
+
+
+def stack_leaves(leaves: Sequence[Any]) -> np.ndarray:
+    """One column from one leaf per record, as Grain's `np.stack` batches it.
+
+    Numbers and equal-shape arrays stack (Python ints -> int64 as in Grain); bytes/str become an
+    object array of exact values; ragged or mixed leaves an object array of the leaves.
+    """
+    if all(_is_text(v) for v in leaves):
+        col = np.empty(len(leaves), dtype=object)
+        for i, v in enumerate(leaves):
+            col[i] = _plain_text(v)
+        return col
+    arrs = [np.asarray(v) for v in leaves]
+    first = arrs[0]
+    if first.dtype.kind not in "OSUV" and all(a.shape == first.shape and a.dtype.kind not in "OSUV"
+                                             for a in arrs):
+        return np.stack(arrs)
+    col = np.empty(len(leaves), dtype=object)
+    for i, v in enumerate(leaves):
+        col[i] = v
+    return col
+
+
+def records_to_columns(records: Sequence[Any]) -> Columns:
+    """Stacks Grain records into named columns; every record must have the same fields."""
+    flat = [flatten_record(r) for r in records]
+    if not flat:
+        return {}
+    names = list(flat[0])
+    for i, f in enumerate(flat):
+        if f.keys() != flat[0].keys():
+            raise DecodeError(f"record {i} of a batch has fields {sorted(f)} but record 0 has "
+                              f"{sorted(names)}; every record must have the same structure.")
+    return {n: stack_leaves([f[n] for f in flat]) for n in names}
+
+
+def _object_column(values: Sequence[Any]) -> np.ndarray:
+    col = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        col[i] = v
+    return col
+
+
+def records_of(cols: Columns) -> list[Any]:
+    """The records a Grain transform receives: the raw objects, or dict rows of a columnar source."""
+    if RECORD in cols:
+        return list(cols[RECORD])
+    if not cols:
+        return []
+    n = len(next(iter(cols.values())))
+    return [{k: v[i] for k, v in cols.items()} for i in range(n)]
+
+
+def unflatten_columns(cols: Columns) -> Any:
+    """Columns back to Grain's batch structure: dicts, tuples (digit keys 0..n-1) or a bare array."""
+    if list(cols) == [VALUE]:
+        return cols[VALUE]
+    tree: dict[str, Any] = {}
+    for name, col in cols.items():
+        node = tree
+        *parents, last = name.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = col
+
+    def build(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        keys = list(node)
+        if sorted(keys) == [str(i) for i in range(len(keys))]:
+            return tuple(build(node[str(i)]) for i in range(len(keys)))
+        return {k: build(v) for k, v in node.items()}
+
+    return build(tree)
+
+
+def grain_batch_columns(batch: Any) -> Columns:
+    """A batch produced by real Grain as Zephon columns (S/U arrays become exact object arrays)."""
+    leaves: dict[str, Any] = {}
+    _flatten(batch, "", leaves)
+    out: Columns = {}
+    for name, v in leaves.items():
+        a = np.asarray(v)
+        out[name] = a.astype(object) if a.dtype.kind in "SU" else a
+    return out
+
+
+# --- sources -----------------------------------------------------------------------------------
+
+class GrainSource:
+    """A Grain random-access data source as a Zephon `RecordSource`.
+
+    Anything with `__len__` and `__getitem__` works (`grain.sources.ArrayRecordDataSource`,
+    `RangeDataSource`, `SharedMemoryDataSource` alias `grain.python.InMemoryDataSource`, your own
+    class, a list, an array); `__getitems__` is used when
+    present so ArrayRecord reads a whole batch in one parallel call. Records are returned as-is
+    in the `RECORD` object column (see the module doc).
+    """
+
+    def __init__(self, source: Any) -> None:
+        if not hasattr(source, "__len__") or not hasattr(source, "__getitem__"):
+            raise PlanError(f"{type(source).__name__} is not a random-access data source; it needs "
+                            "__len__ and __getitem__ (e.g. grain.sources.ArrayRecordDataSource).")
+        self.source = source
+        self._len = len(source)
+        self._what = f"GrainSource({type(source).__name__})"
+        self._getitems = getattr(source, "__getitems__", None)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __repr__(self) -> str:
+        return f"GrainSource({self.source!r})"
+
+    def read(self, indices: np.ndarray) -> Columns:
+        keys = as_indices(indices, self._len, self._what).tolist()
+        recs = self._getitems(keys) if self._getitems is not None else [self.source[k] for k in keys]
+        if len(recs) != len(keys):
+            raise DecodeError(f"{self._what}.__getitems__ returned {len(recs)} records for "
+                              f"{len(keys)} keys; it must return one record per key.")
+        return {RECORD: _object_column(recs)}
+
+
+class RecordsOf:
+    """A columnar Zephon source whose rows are handed out as dict records (for mixing)."""
+
+    def __init__(self, source: RecordSource) -> None:
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __repr__(self) -> str:
+        return f"RecordsOf({self.source!r})"
+
+    def read(self, indices: np.ndarray) -> Columns:
+        return {RECORD: _object_column(records_of(self.source.read(indices)))}
+
+
+def _is_zephon_source(src: Any) -> bool:
+    return callable(getattr(src, "read", None)) and hasattr(src, "__len__") and not hasattr(
+        src, "__getitem__")
+
+
+# --- transforms --------------------------------------------------------------------------------
+
+def _callable_name(t: Any) -> str:
+    """Stable name of a function (its qualname) or transform object (its class): part of the
+    loader state's identity, so it must not contain addresses."""
+    return getattr(t, "__qualname__", None) or type(t).__qualname__
+
+
+def _with_records(cols: Columns, records: Sequence[Any]) -> Columns:
+    out = {RECORD: _object_column(records)}
+    if RNG in cols:
+        out[RNG] = cols[RNG]
+    return out
+
+
+def _run(fn: Callable[..., Any], what: str, refs: Refs, i: int, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - re-raised naming the record
+        raise DecodeError(f"{what} failed on record {int(refs.record[i])} of source "
+                          f"{int(refs.source[i])} (epoch {int(refs.epoch[i])}): {e!r}. Fix the "
+                          "transform or the record; nothing was skipped.") from e
+
+
+def _tag_values(refs: Refs, tag: int, what: str) -> np.ndarray:
+    if not isinstance(refs, IndexedRefs) or tag not in refs.index:
+        raise PlanError(f"{what} needs each element's Grain index, which only plans built by "
+                        "zephon.compat.grain carry (a GrainIndex node); build the pipeline with "
+                        "Dataset/DataLoader from zephon.compat.grain.")
+    return refs.index[tag]
+
+
+@dataclass(frozen=True)
+class GrainMap(Transform):
+    """`grain.transforms.Map` (or a callable) applied to each record."""
+
+    transform: Any
+
+    @property
+    def fn(self) -> Callable[[Any], Any]:
+        return self.transform.map if isinstance(self.transform, grain.transforms.Map) else self.transform
+
+    @property
+    def name(self) -> str:
+        return f"grain.Map({_callable_name(self.transform)})"
+
+    def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, None]:
+        fn, what = self.fn, self.name
+        return _with_records(cols, [_run(fn, what, refs, i, r) for i, r in enumerate(records_of(cols))]), None
+
+
+@dataclass(frozen=True)
+class GrainMapWithIndex(Transform):
+    """`grain.transforms.MapWithIndex`: fn(index, record) with Grain's index at this depth.
+
+    The index is the element's position in the dataset at the point of the pipeline where the
+    op was applied (epochs counted on: epoch * len + position), exactly as Grain's
+    `map_with_index` numbers it. It is a function of the plan position alone, so it is the same
+    whatever the lane count, data-parallel degree or runner.
+    """
+
+    transform: Any
+    tag: int
+
+    @property
+    def name(self) -> str:
+        return f"grain.MapWithIndex({_callable_name(self.transform)})"
+
+    def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, None]:
+        fn = (self.transform.map_with_index if isinstance(self.transform, grain.transforms.MapWithIndex)
+              else self.transform)
+        index = _tag_values(refs, self.tag, self.name)
+        return _with_records(cols, [_run(fn, self.name, refs, i, int(index[i]), r)
+                                    for i, r in enumerate(records_of(cols))]), None
+
+
+@functools.lru_cache(maxsize=64)
+def _philox_key(seed: int) -> np.ndarray:
+    """The Philox key Grain's `np.random.Philox(seed)` derives (through SeedSequence)."""
+    return np.random.Philox(seed).state["state"]["key"]
+
+
+def grain_map_rng(seed: int, index: int) -> np.random.Generator:
+    """The generator Grain's `MapDataset.random_map(seed=seed)` hands element `index`.
+
+    Grain resets a `Philox(seed)` to counter [0, 0, 0, index] with an empty buffer; a fresh
+    Philox with that key and counter is the same state.
+    """
+    counter = np.array([0, 0, 0, index], dtype=np.uint64)
+    return np.random.Generator(np.random.Philox(counter=counter, key=_philox_key(seed)))
+
+
+@dataclass(frozen=True)
+class GrainRandomMap(Transform):
+    """`grain.transforms.RandomMap`: fn(record, rng).
+
+    `rng` modes:
+      "dataset": Grain's `MapDataset.random_map` generator for the element's Grain index
+                 (Philox(seed) at counter [0,0,0,index]) — equal to Grain's draws.
+      "sampler": `grain.DataLoader`'s per-record generator, Philox(key=seed + sampler index),
+                 or None when the sampler has no seed — equal to Grain's draws. As in Grain, one
+                 generator per record is shared by all RandomMaps of the loader (`RNG` column).
+      "record":  Zephon's data-derived generator from (seed, source, record, epoch): a record
+                 draws the same values wherever it appears, equal to Grain only in distribution.
+    """
+
+    transform: Any
+    seed: int | None
+    rng: str = "dataset"
+    tag: int = -1
+
+    def __post_init__(self) -> None:
+        if self.rng not in ("dataset", "sampler", "record"):
+            raise PlanError(f"GrainRandomMap rng must be 'dataset', 'sampler' or 'record', got {self.rng!r}")
+        if self.rng != "sampler" and self.seed is None:
+            raise PlanError("`random_map` requires a seed. Please either provide it with "
+                            "`ds.seed(seed)` before any random transformations or pass it directly "
+                            "with `ds.random_map(transform, seed=seed)` (Grain's rule).")
+
+    @property
+    def name(self) -> str:
+        return f"grain.RandomMap[{self.rng}]({_callable_name(self.transform)})"
+
+    def _rngs(self, cols: Columns, refs: Refs) -> Sequence[np.random.Generator | None]:
+        if RNG in cols:
+            return list(cols[RNG])
+        if self.rng == "record":
+            return [record_rng(int(s)) for s in record_seeds(int(self.seed), refs)]  # type: ignore[arg-type]
+        index = _tag_values(refs, self.tag, self.name)
+        if self.rng == "sampler":
+            if self.seed is None:
+                return [None] * len(index)
+            return [np.random.Generator(np.random.Philox(key=int(self.seed) + int(g))) for g in index]
+        return [grain_map_rng(int(self.seed), int(i)) for i in index]  # type: ignore[arg-type]
+
+    def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, None]:
+        fn = (self.transform.random_map if isinstance(self.transform, grain.transforms.RandomMap)
+              else self.transform)
+        rngs = self._rngs(cols, refs)
+        out = _with_records(cols, [_run(fn, self.name, refs, i, r, g)
+                                   for i, (r, g) in enumerate(zip(records_of(cols), rngs))])
+        if self.rng == "sampler":
+            out[RNG] = _object_column(rngs)
+        return out, None
+
+
+@dataclass(frozen=True)
+class GrainFilter(Transform):
+    """`grain.transforms.Filter` (or a predicate): keeps records where it returns True."""
+
+    transform: Any
+    one_to_one = False
+
+    @property
+    def name(self) -> str:
+        return f"grain.Filter({_callable_name(self.transform)})"
+
+    def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, np.ndarray]:
+        fn = self.transform.filter if isinstance(self.transform, grain.transforms.Filter) else self.transform
+        recs = records_of(cols)
+        keep = np.fromiter((bool(_run(fn, self.name, refs, i, r)) for i, r in enumerate(recs)),
+                           dtype=bool, count=len(recs))
+        return cols, keep
+
+
+@dataclass(frozen=True)
+class Branches(Transform):
+    """Per-dataset transforms of a mix: rows of each child's sources go through its own chain.
+
+    Grain applies `mix([a.map(f), b.map(g)])`'s maps before mixing; here every row carries its
+    source id, so each child's chain runs on that child's rows and the results are merged back
+    in row order. Children may read different schemas as long as their chains end in one.
+    """
+
+    branches: tuple[tuple[tuple[int, ...], tuple[Transform, ...]], ...]
+
+    @property
+    def one_to_one(self) -> bool:  # type: ignore[override]
+        return all(t.one_to_one for _, chain in self.branches for t in chain)
+
+    @property
+    def name(self) -> str:
+        return "Branches[" + "; ".join(f"{list(ids)}: " + ",".join(t.name for t in chain)
+                                       for ids, chain in self.branches) + "]"
+
+    def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, np.ndarray]:
+        n = len(refs)
+        keep = np.zeros(n, dtype=bool)
+        out: Columns = {}
+        for ids, chain in self.branches:
+            rows = np.flatnonzero(np.isin(refs.source, ids))
+            if not rows.size:
+                continue
+            sub, kept = run_transforms(chain, {k: v[rows] for k, v in cols.items()}, refs.take(rows), seed)
+            dest = rows[kept]
+            keep[dest] = True
+            for k, v in sub.items():
+                if k not in out:
+                    out[k] = np.zeros((n,) + v.shape[1:], dtype=v.dtype) if v.dtype != object else (
+                        np.empty(n, dtype=object))
+                elif out[k].shape[1:] != v.shape[1:] or out[k].dtype != v.dtype:
+                    raise PlanError(f"mixed datasets give field {k!r} as {out[k].dtype}"
+                                    f"{out[k].shape[1:]} and {v.dtype}{v.shape[1:]}; map every "
+                                    "dataset to one schema before mix.")
+                out[k][dest] = v
+            if out.keys() != sub.keys():
+                raise PlanError(f"mixed datasets give different fields ({sorted(out)} vs "
+                                f"{sorted(sub)}); map every dataset to one schema before mix.")
+        return out, keep
+
+
+@dataclass(frozen=True)
+class Collate(Transform):
+    """Stacks the Grain records of a batch into columns (the last transform of a pipeline)."""
+
+    @property
+    def name(self) -> str:
+        return "grain.Collate"
+
+    def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, None]:
+        if RECORD not in cols:
+            return cols, None
+        return records_to_columns(list(cols[RECORD])), None
+
+
+def collate(cols: Columns) -> Columns:
+    """Grain records of a step -> named columns (no-op for columnar data); drops `RNG`."""
+    if RECORD in cols:
+        return records_to_columns(list(cols[RECORD]))
+    return {k: v for k, v in cols.items() if k != RNG}
+
+
+def with_collate(chain: tuple[Transform, ...]) -> tuple[Transform, ...]:
+    """Appends `Collate` to a one-to-one chain, where it runs inside the runner's workers.
+
+    A chain with a filter is collated by `CollatingLoader` once the step's rows are assembled
+    instead: the loader evaluates such chains in several passes, and a pass whose rows are all
+    filtered out has no records to learn the column names from.
+    """
+    return chain + (Collate(),) if all(t.one_to_one for t in chain) else chain
+
+
+class CollatingLoader(Loader):
+    """A Zephon `Loader` whose batches are always named columns, never Grain record objects."""
+
+    def __next__(self) -> LocalBatch:
+        b = super().__next__()
+        return replace(b, data=collate(b.data)) if RECORD in b.data or RNG in b.data else b
+
+    def batch(self, step: int) -> LocalBatch:
+        b = super().batch(step)
+        return replace(b, data=collate(b.data)) if RECORD in b.data or RNG in b.data else b
+
+
+def _elements(cols: Columns) -> list[Any]:
+    """Unbatched output: Grain records (generators of a DataLoader's RandomMaps left behind)."""
+    return records_of({k: v for k, v in cols.items() if k != RNG})
+
+
+# --- the Grain-shaped dataset ---------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class _Op:
+    """One node of the Grain-shaped pipeline; mirrors the node Grain would create."""
+
+    kind: str
+    parents: tuple["_Op", ...] = ()
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+    def default_seed(self) -> int | None:
+        """Grain's `_default_seed`: a SeedSequence over (seed, depth) of the nearest `.seed()`s."""
+        agg: list[int] = []
+        todo: list[tuple[_Op, int]] = [(self, 0)]
+        while todo:
+            node, depth = todo.pop(0)
+            if node.kind == "seed":
+                agg.extend((int(node.args["seed"]), depth))
+            else:
+                todo.extend((p, depth + 1) for p in node.parents)
+        if not agg:
+            return None
+        return int(np.random.SeedSequence(agg).generate_state(1, dtype=np.uint32)[0])
+
+    def upstream(self) -> Iterable["_Op"]:
+        yield self
+        for p in self.parents:
+            yield from p.upstream()
+
+
+@dataclass(frozen=True)
+class _Config:
+    order: Order = "grain"
+    lanes: int | None = None
+    mapping: str = "contiguous"
+    rank: int | None = None  # None: not sharded (rank 0 of 1; backends may derive their own)
+    world: int | None = None
+    runner: Any = None
+    read_ahead: int = READ_AHEAD
+
+
+@dataclass
+class _Ctx:
+    order: Order
+    wrap_columnar: bool
+    sources: list[Any] = field(default_factory=list)
+    tags: int = 0
+
+    def tag(self) -> int:
+        self.tags += 1
+        return self.tags - 1
+
+
+@dataclass(frozen=True)
+class _Built:
+    node: Node
+    chain: tuple[Transform, ...] = ()
+    filtered: bool = False
+    sources: tuple[int, ...] = ()
+
+
+_ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset", "batch", "seed")
+
+
+def _build(op: _Op, ctx: _Ctx) -> _Built:
+    k, a = op.kind, op.args
+    if k == "source":
+        sid = len(ctx.sources)
+        src = a["source"]
+        if _is_zephon_source(src):
+            ctx.sources.append(RecordsOf(src) if ctx.wrap_columnar else src)
+        else:
+            ctx.sources.append(GrainSource(src))
+        return _Built(Source(len(src), sid, a.get("name", "")), sources=(sid,))
+    if k == "batch":
+        raise PlanError("`batch` must be the last step of the pipeline: Zephon emits fixed-size "
+                        "global batches; move it to the end (map batches inside your step fn).")
+    b = _build(op.parents[0], ctx) if k != "mix" else None
+    if k in ("seed", "to_iter_dataset"):
+        return b  # type: ignore[return-value]
+    if k == "shuffle":
+        node = GrainShuffle(b.node, a["seed"]) if ctx.order == "grain" else Shuffle(b.node, a["seed"])
+        return replace(b, node=node)  # type: ignore[arg-type]
+    if k == "repeat":
+        return replace(b, node=Repeat(b.node, a["num_epochs"]))  # type: ignore[arg-type, union-attr]
+    if k == "slice":
+        n = b.node.length  # type: ignore[union-attr]
+        start, stop, step = a["slice"].indices(GRAIN_INFINITE if n is None else n)
+        if step < 1:
+            raise PlanError(f"slice step must be positive for a Zephon plan, got {step}")
+        stop = None if n is None and stop >= GRAIN_INFINITE else stop
+        return replace(b, node=Slice(b.node, start, stop, step))  # type: ignore[arg-type]
+    if k == "mix":
+        kids = [_build(p, ctx) for p in op.parents]
+        props = grain_proportions(a["weights"], len(kids))
+        if ctx.order == "grain":
+            node: Node = GrainMix(tuple(c.node for c in kids), props)
+        else:
+            if any(isinstance(n, GrainIndex) for c in kids for n in _nodes(c.node)):
+                raise PlanError("map_with_index/random_map before mix needs order='grain' (Zephon's "
+                                "Mix does not carry Grain indices); apply it after mix instead.")
+            node = Mix(tuple(c.node for c in kids), tuple(float(p) for p in props))
+        chain: tuple[Transform, ...] = ()
+        if any(c.chain for c in kids):
+            chain = (Branches(tuple((c.sources, c.chain) for c in kids)),)
+        return _Built(node, chain, any(c.filtered for c in kids), tuple(s for c in kids for s in c.sources))
+    assert b is not None
+    if k == "map":
+        return replace(b, chain=b.chain + (GrainMap(a["transform"]),))
+    if k == "filter":
+        return replace(b, chain=b.chain + (GrainFilter(a["transform"]),), filtered=True)
+    if k in ("random_map", "map_with_index"):
+        if a.get("iter") and b.filtered and ctx.order == "grain":
+            raise PlanError(f"{k} after to_iter_dataset() numbers elements by how many survived "
+                            "earlier filters, which Zephon's lanes cannot reproduce; apply it before "
+                            "the filter (or before to_iter_dataset()), or use order='zephon'.")
+        if k == "random_map" and ctx.order != "grain":
+            return replace(b, chain=b.chain + (GrainRandomMap(a["transform"], a["seed"], "record"),))
+        tag = ctx.tag()
+        t: Transform = (GrainRandomMap(a["transform"], a["seed"], "dataset", tag) if k == "random_map"
+                        else GrainMapWithIndex(a["transform"], tag))
+        return replace(b, node=GrainIndex(b.node, tag), chain=b.chain + (t,))
+    raise PlanError(f"unknown pipeline step {k!r}")
+
+
+def _nodes(node: Node) -> Iterable[Node]:
+    yield node
+    for c in getattr(node, "children", None) or ((node.child,) if hasattr(node, "child") else ()):
+        yield from _nodes(c)
+
+
+class Dataset:
+    """A Grain-shaped pipeline (`MapDataset` spellings) that runs on Zephon.
+
+    Build it exactly like a `grain.MapDataset`; `order="grain"` (default) reproduces Grain's
+    records and batches, `order="zephon"` uses Zephon's own shuffle/mix (a Feistel permutation
+    and a periodic interleave; faster to resolve, different order). Zephon's own knobs:
+    `lanes(L)` (canonical lanes, the unit of state and ownership), `shard(rank, world)`
+    (data-parallel rank; rows of the global batch, not a slice of the data) and `runner(r)`.
+    """
+
+    def __init__(self, op: _Op, config: _Config = _Config()) -> None:
+        self._op = op
+        self._config = config
+
+    # --- Grain constructors -------------------------------------------------------------------
+    @classmethod
+    def source(cls, source: Any, *, order: Order = "grain", name: str = "") -> "Dataset":
+        """Wraps a Grain data source, a sequence, or a Zephon `RecordSource`."""
+        if order not in ("grain", "zephon"):
+            raise PlanError(f"order must be 'grain' or 'zephon', got {order!r}")
+        return cls(_Op("source", (), {"source": source, "name": name}), _Config(order=order))
+
+    @classmethod
+    def range(cls, start: int, stop: int | None = None, step: int = 1, *,
+              order: Order = "grain") -> "Dataset":
+        """`MapDataset.range`: the integers of Python's `range(start, stop, step)`."""
+        r = range(start) if stop is None else range(start, stop, step)
+        return cls.source(r, order=order, name=f"range({r.start}, {r.stop}, {r.step})")
+
+    @classmethod
+    def mix(cls, datasets: Sequence["Dataset"], weights: Sequence[float] | None = None) -> "Dataset":
+        """`MapDataset.mix`: Grain's deterministic proportional interleave of `datasets`."""
+        datasets = list(datasets)
+        if not datasets:
+            raise PlanError("mix needs at least one dataset")
+        if len({d._config.order for d in datasets}) > 1:
+            raise PlanError("mixed datasets were built with different orders; build them all with "
+                            "the same order= ('grain' or 'zephon').")
+        for d in datasets:
+            d._check_open("mix")
+        return cls(_Op("mix", tuple(d._op for d in datasets),
+                       {"weights": None if weights is None else tuple(weights)}), datasets[0]._config)
+
+    # --- Grain transformations ------------------------------------------------------------------
+    def _then(self, kind: str, **args: Any) -> "Dataset":
+        self._check_open(kind)
+        return Dataset(_Op(kind, (self._op,), args), self._config)
+
+    def _check_open(self, kind: str) -> None:
+        if self._op.kind == "batch" and kind != "to_iter_dataset":
+            raise PlanError(f"cannot {kind} after batch: Zephon's plan ends in the global batch; "
+                            "apply the step before batch().")
+        if self._in_iter() and kind not in _ITER_OPS:
+            raise PlanError(f"{kind} is a MapDataset step and cannot follow to_iter_dataset(); "
+                            "move it before to_iter_dataset() (as in Grain).")
+
+    def _in_iter(self) -> bool:
+        return any(o.kind == "to_iter_dataset" for o in self._op.upstream())
+
+    def _seed_for(self, kind: str, seed: int | None) -> int | None:
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
+                raise PlanError(f"{kind} seeds are integers in [0, 2**32), got {seed!r}")
+            return int(seed)
+        return _Op(kind, (self._op,)).default_seed()
+
+    def seed(self, seed: int) -> "Dataset":
+        """`ds.seed(s)`: downstream shuffles/random maps derive their seeds as Grain does."""
+        return self._then("seed", seed=int(seed))
+
+    def shuffle(self, seed: int | None = None) -> "Dataset":
+        s = self._seed_for("shuffle", seed)
+        if s is None:
+            raise PlanError("`shuffle` requires a seed. Please provide it with `ds.seed(seed)` or "
+                            "shuffle(seed=...).")
+        return self._then("shuffle", seed=s)
+
+    def repeat(self, num_epochs: int | None = None, *, reseed_each_epoch: bool = True) -> "Dataset":
+        if not reseed_each_epoch:
+            raise PlanError("repeat(reseed_each_epoch=False) is not supported: Zephon re-keys every "
+                            "epoch; repeat with a new shuffle per epoch (the default).")
+        return self._then("repeat", num_epochs=num_epochs)
+
+    def slice(self, sl: slice) -> "Dataset":
+        return self._then("slice", slice=sl)
+
+    def map(self, transform: Any) -> "Dataset":
+        return self._then("map", transform=transform, iter=self._in_iter())
+
+    def filter(self, transform: Any) -> "Dataset":
+        return self._then("filter", transform=transform, iter=self._in_iter())
+
+    def random_map(self, transform: Any, *, seed: int | None = None) -> "Dataset":
+        s = self._seed_for("random_map", seed)
+        if s is None:
+            raise PlanError("`random_map` requires a seed. Please either provide it with "
+                            "`ds.seed(seed)` before any random transformations or pass it directly "
+                            "with `ds.random_map(transform, seed=seed)`.")
+        return self._then("random_map", transform=transform, seed=s, iter=self._in_iter())
+
+    def map_with_index(self, transform: Any) -> "Dataset":
+        return self._then("map_with_index", transform=transform, iter=self._in_iter())
+
+    def batch(self, batch_size: int, *, drop_remainder: bool = False,
+              batch_fn: Callable[[Sequence[Any]], Any] | None = None) -> "Dataset":
+        """The global batch. Zephon emits full batches only (as with drop_remainder=True)."""
+        if batch_fn is not None:
+            raise PlanError("batch_fn is not supported: Zephon stacks records into columns itself; "
+                            "pad or pack records with map() before batch().")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise PlanError(f"batch_size must be a positive integer, got {batch_size!r}")
+        return self._then("batch", batch_size=int(batch_size), drop_remainder=bool(drop_remainder))
+
+    def to_iter_dataset(self, read_options: Any = None, *, allow_nones: bool = False) -> "Dataset":
+        """Grain's switch to `IterDataset`; kept so pipelines read the same (Zephon needs no
+        read threads here: runners parallelise whole steps)."""
+        if allow_nones:
+            raise PlanError("to_iter_dataset(allow_nones=True) is not supported; Zephon never "
+                            "emits filtered-out elements.")
+        return self._then("to_iter_dataset")
+
+    def apply(self, transformations: Any) -> "Dataset":
+        """Grain's `apply`: dispatches Map/RandomMap/Filter/MapWithIndex/Batch by type."""
+        ts = transformations if isinstance(transformations, (list, tuple)) else [transformations]
+        ds = self
+        for t in ts:
+            if isinstance(t, grain.transforms.Batch):
+                ds = ds.batch(t.batch_size, drop_remainder=t.drop_remainder, batch_fn=t.batch_fn)
+            elif isinstance(t, grain.transforms.Map):
+                ds = ds.map(t)
+            elif isinstance(t, grain.transforms.RandomMap):
+                ds = ds.random_map(t)
+            elif isinstance(t, grain.transforms.Filter):
+                ds = ds.filter(t)
+            elif isinstance(t, grain.transforms.MapWithIndex):
+                ds = ds.map_with_index(t)
+            else:
+                raise PlanError(f"unsupported transformation {type(t).__name__}; use Map, RandomMap, "
+                                "Filter, MapWithIndex or Batch.")
+        return ds
+
+    def __getitem__(self, index: int | slice) -> Any:
+        """A slice gives a sliced dataset; an int the element (or batch) there, as in Grain."""
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._item(int(index))
+
+    # --- Zephon knobs ---------------------------------------------------------------------------
+    def lanes(self, count: int, mapping: str = "contiguous") -> "Dataset":
+        """Canonical lanes: fix this for runs that restore at another data-parallel degree."""
+        return Dataset(self._op, replace(self._config, lanes=int(count), mapping=mapping))
+
+    def shard(self, rank: int, world: int) -> "Dataset":
+        """Data-parallel rank `rank` of `world`: iterates its rows of every global batch."""
+        return Dataset(self._op, replace(self._config, rank=int(rank), world=int(world)))
+
+    def runner(self, runner: Any) -> "Dataset":
+        """Executes steps with a Zephon runner (threads/processes); changes speed, never data."""
+        return Dataset(self._op, replace(self._config, runner=runner))
+
+    def read_ahead(self, rows: int) -> "Dataset":
+        """Rows read and transformed ahead in one group (default `READ_AHEAD`); speed only."""
+        return Dataset(self._op, replace(self._config, read_ahead=int(rows)))
+
+    # --- the plan -------------------------------------------------------------------------------
+    @property
+    def batched(self) -> bool:
+        return any(o.kind == "batch" for o in self._op.upstream())
+
+    @functools.cached_property
+    def _compiled(self) -> "_Compiled":
+        op = self._op
+        while op.kind == "to_iter_dataset" and op.parents and op.parents[0].kind == "batch":
+            op = op.parents[0]
+        batched = op.kind == "batch"
+        size, drop = (op.args["batch_size"], op.args["drop_remainder"]) if batched else (None, True)
+        stream_op = op.parents[0] if op.kind == "batch" else op
+        leaves = sum(1 for o in stream_op.upstream() if o.kind == "source")
+        ctx = _Ctx(self._config.order, wrap_columnar=leaves > 1)
+        built = _build(stream_op, ctx)
+        lanes = self._config.lanes or self._config.world or 1
+        rows = size if size is not None else lanes
+        if rows % lanes:
+            raise PlanError(f"batch size {rows} is not divisible by lanes={lanes}; choose a lane "
+                            f"count that divides the batch (e.g. lanes({_largest_divisor(rows, lanes)})).")
+        n = built.node.length
+        if size is not None and n is not None and n % size and not drop:
+            log.warning("the stream has %d elements, not a multiple of batch size %d: Zephon emits "
+                        "full global batches only, so the last %d elements are not emitted (Grain "
+                        "would emit a smaller final batch).", n, size, n % size)
+        if built.filtered and lanes > 1 and self._config.order == "grain":
+            log.warning("with a filter and lanes=%d each lane filters its own input, so batches "
+                        "differ from Grain's (which fills one batch from the whole stream); use "
+                        "lanes=1 to compare with Grain.", lanes)
+        stream = built.node
+        if self._config.order == "grain" and lanes > 1:
+            stream = ContiguousBatches(stream, lanes, rows // lanes)
+        plan = stream.lanes(lanes, self._config.mapping).batch(rows)  # type: ignore[attr-defined]
+        transforms = with_collate(built.chain) if size is not None else built.chain
+        return _Compiled(plan, built.node, dict(enumerate(ctx.sources)), transforms)
+
+    @property
+    def plan(self) -> Batch:
+        """The Zephon plan (JSON-serialisable; see `plan.explain(step)`)."""
+        return self._compiled.plan
+
+    @property
+    def transforms(self) -> tuple[Transform, ...]:
+        return self._compiled.transforms
+
+    @property
+    def record_sources(self) -> dict[int, Any]:
+        return self._compiled.sources
+
+    def loader(self, *, rank: int | None = None, world: int | None = None, start_step: int = 0) -> Loader:
+        """The Zephon `Loader` of rank `rank` (default: the dataset's `shard`)."""
+        c = self._compiled
+        cls = CollatingLoader if self.batched else Loader
+        return cls(c.plan, c.sources, c.transforms, rank=rank if rank is not None else self._config.rank or 0,
+                   world=world if world is not None else self._config.world or 1,
+                   runner=self._config.runner, start_step=start_step, read_ahead=self._config.read_ahead)
+
+    def _check_backend(self, what: str) -> _Compiled:
+        c = self._compiled
+        if not self.batched:
+            raise PlanError(f"{what} emits global batches; add .batch(B) to the pipeline.")
+        if not all(t.one_to_one for t in c.transforms):
+            raise PlanError(f"{what} with a filter is not available yet: the backend's loader "
+                            "cannot stack Grain records for steps evaluated in several passes. "
+                            "Iterate the dataset (numpy batches) or filter with a Map that marks "
+                            "records instead.")
+        return c
+
+    def to_jax(self, mesh: Any = None, batch_axes: Any = "data", **kwargs: Any) -> Any:
+        """A `zephon.backends.jax.JaxLoader` over this pipeline: sharded global `jax.Array`s.
+
+        The process's rows come from the mesh, not from `shard()`. Bytes/str fields are object
+        arrays; drop them with `exclude=[...]` or decode them in a map.
+        """
+        from zephon.backends.jax import JaxLoader
+        c = self._check_backend("to_jax")
+        return JaxLoader(c.plan, c.sources, c.transforms, mesh=mesh,
+                         batch_axes=batch_axes, runner=self._config.runner, **kwargs)
+
+    def to_torch(self, **kwargs: Any) -> Any:
+        """A `zephon.backends.torch.TorchLoader` over this pipeline (`shard()` gives rank/world;
+        otherwise torch.distributed's)."""
+        from zephon.backends.torch import TorchLoader
+        c = self._check_backend("to_torch")
+        if self._config.world is not None:
+            kwargs.setdefault("rank", self._config.rank)
+            kwargs.setdefault("world", self._config.world)
+        return TorchLoader(c.plan, c.sources, c.transforms, runner=self._config.runner, **kwargs)
+
+    def __iter__(self) -> "Iterator":
+        return Iterator(self.loader(), batched=self.batched)
+
+    def __len__(self) -> int:
+        n = self.plan.num_steps if self.batched else self._compiled.stream.length
+        return GRAIN_INFINITE if n is None else int(n)
+
+    def _item(self, index: int) -> Any:
+        if index < 0:
+            index += len(self)
+        if self.batched:
+            return Iterator.emit(self.loader().batch(index), batched=True)
+        c = self._compiled
+        refs = c.stream.resolve([index])
+        cols, kept = run_transforms(c.transforms, read_refs(c.sources, refs), refs, 0)
+        return _elements(cols)[0] if len(kept) else None
+
+    def fingerprints(self, steps: int, *, world: int | None = None) -> list[str]:
+        """Step fingerprints of the first `steps` global batches, computed by `world` ranks."""
+        world = world or self._config.world or 1
+        return run_fingerprints([self.loader(rank=r, world=world) for r in range(world)], steps)
+
+    # --- the same pipeline on real Grain -------------------------------------------------------
+    def to_grain(self) -> Any:
+        """The equivalent real `grain.MapDataset`/`IterDataset` (same ops, seeds and sources)."""
+        return _to_grain(self._op, {})
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    plan: Batch
+    stream: Node  # the Grain-ordered element stream (before lanes are dealt)
+    sources: dict[int, Any]
+    transforms: tuple[Transform, ...]
+
+
+def _largest_divisor(n: int, upto: int) -> int:
+    return max(d for d in range(1, upto + 1) if n % d == 0)
+
+
+def _to_grain(op: _Op, memo: dict[int, Any]) -> Any:
+    if id(op) in memo:
+        return memo[id(op)]
+    k, a = op.kind, op.args
+    if k == "source":
+        src = a["source"]
+        if _is_zephon_source(src):
+            raise PlanError("to_grain() needs Grain data sources; a Zephon RecordSource has no "
+                            "Grain equivalent.")
+        ds = grain.MapDataset.range(src.start, src.stop, src.step) if isinstance(src, range) else (
+            grain.MapDataset.source(src))
+    elif k == "mix":
+        ds = grain.MapDataset.mix([_to_grain(p, memo) for p in op.parents], a["weights"])
+    else:
+        p = _to_grain(op.parents[0], memo)
+        if k == "seed":
+            ds = p.seed(a["seed"])
+        elif k == "shuffle":
+            ds = p.shuffle(seed=a["seed"])
+        elif k == "repeat":
+            ds = p.repeat(a["num_epochs"])
+        elif k == "slice":
+            ds = p.slice(a["slice"])
+        elif k == "map":
+            ds = p.map(a["transform"])
+        elif k == "filter":
+            ds = p.filter(a["transform"])
+        elif k == "random_map":
+            ds = p.random_map(a["transform"], seed=a["seed"])
+        elif k == "map_with_index":
+            ds = p.map_with_index(a["transform"])
+        elif k == "to_iter_dataset":
+            ds = p.to_iter_dataset()
+        elif k == "batch":
+            if isinstance(p, grain.MapDataset) and any(o.kind == "filter" for o in op.upstream()):
+                p = p.to_iter_dataset()  # Grain requires this after filter; same elements
+            ds = p.batch(a["batch_size"], drop_remainder=a["drop_remainder"])
+        else:
+            raise PlanError(f"no Grain equivalent for step {k!r}")
+    memo[id(op)] = ds
+    return ds
+
+
+# --- the iterator ----------------------------------------------------------------------------
+
+class Iterator(grain.DatasetIterator):
+    """Iterates a Zephon loader with Grain's iterator API: `get_state()` / `set_state()`.
+
+    It is a `grain.DatasetIterator`, so Grain's Orbax `CheckpointHandler`
+    (`grain.checkpoint.CheckpointSave/CheckpointRestore`) and Orbax's StatefulCheckpointable API
+    save and restore it like any Grain iterator. The state is Zephon's JSON loader state (plan
+    fingerprint, step, lane cursors); unbatched iteration adds the offset inside a step.
+    """
+
+    def __init__(self, loader: Loader, *, batched: bool = True) -> None:
+        super().__init__()
+        self.loader = loader
+        self.batched = batched
+        self._rows: list[Any] = []
+        self._taken = 0
+        self._before: dict[str, Any] | None = None
+
+    @staticmethod
+    def emit(batch: LocalBatch, *, batched: bool) -> Any:
+        if batched:
+            return unflatten_columns(batch.data)
+        return _elements(batch.data)
+
+    def __next__(self) -> Any:
+        self._assert_not_closed()
+        if self.batched:
+            return self.emit(next(self.loader), batched=True)
+        while self._taken >= len(self._rows):
+            self._before = self.loader.state()
+            self._rows = self.emit(next(self.loader), batched=False)
+            self._taken = 0
+        self._taken += 1
+        return self._rows[self._taken - 1]
+
+    @property
+    def step(self) -> int:
+        """The next global batch (step) of the underlying loader."""
+        return self.loader.step
+
+    def get_state(self) -> dict[str, Any]:
+        if not self.batched and self._taken < len(self._rows):
+            return {"loader": self._before, "skip": self._taken}
+        return {"loader": self.loader.state(), "skip": 0}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, Mapping) or "loader" not in state:
+            raise StateError("not a zephon.compat.grain iterator state (expected {'loader': ..., "
+                             "'skip': ...}); pass what get_state() returned.")
+        self.loader.restore(state["loader"])
+        self._rows, self._taken = [], 0
+        skip = int(state.get("skip", 0))
+        if skip:
+            self._before = state["loader"]
+            self._rows = self.emit(next(self.loader), batched=False)
+            self._taken = skip
+
+    def close(self) -> None:
+        self.loader.close()
+        super().close()
+
+    def __str__(self) -> str:
+        return f"zephon.compat.grain.Iterator(step={self.loader.step})"
+
+
+# --- DataLoader + IndexSampler -------------------------------------------------------------------
+
+def _shard_tuple(opts: Any) -> tuple[int, int, bool]:
+    return int(opts.shard_index), int(opts.shard_count), bool(opts.drop_remainder)
+
+
+class DataLoader:
+    """`grain.DataLoader` with an `IndexSampler`, on Zephon, with Grain's batches.
+
+    Takes Grain's arguments. Zephon's global batch is the concatenation over Grain shards of
+    each shard's batch, so this loader (rank = `shard_options.shard_index`) yields exactly the
+    batches `grain.DataLoader` yields on that shard — including the different order Grain
+    produces with `worker_count` > 0, where each worker batches its own slice. Zephon's own
+    parallelism is the `runner`; `worker_count` only selects which Grain order to reproduce.
+    `RandomMap` gets Grain's per-record generator `Philox(key=sampler_seed + index)`.
+    """
+
+    def __init__(self, *, data_source: Any, sampler: Any, operations: Sequence[Any] = (),
+                 worker_count: int | None = 0, worker_buffer_size: int = 1,
+                 shard_options: Any = None, read_options: Any = None, enable_profiling: bool = False,
+                 lanes: int | None = None, rank: int | None = None, world: int | None = None,
+                 runner: Any = None, read_ahead: int = READ_AHEAD) -> None:
+        del worker_buffer_size, read_options, enable_profiling  # Grain tuning knobs; no effect on data
+        if not isinstance(sampler, grain.samplers.IndexSampler):
+            raise PlanError(f"{type(sampler).__name__} is not supported; Grain order is reproduced "
+                            "for grain.samplers.IndexSampler.")
+        opts = shard_options if shard_options is not None else sampler._shard_options  # noqa: SLF001
+        index, count, _ = _shard_tuple(opts)
+        s_index, s_count, s_drop = _shard_tuple(sampler._shard_options)  # noqa: SLF001
+        if s_count != 1 and (s_count, s_index) != (count, index):
+            raise PlanError(f"the sampler is sharded {s_index}/{s_count} but the loader {index}/"
+                            f"{count}; give both the same shard options (or NoSharding() to the sampler).")
+        self.workers = max(int(worker_count or 0), 1)
+        self.grain_args = dict(data_source=data_source, sampler=sampler, operations=list(operations),
+                               worker_count=worker_count, shard_options=opts)
+        batch, transforms, filtered, tag = None, [], False, None
+        for i, t in enumerate(operations):
+            if isinstance(t, grain.transforms.Batch):
+                if i != len(operations) - 1:
+                    raise PlanError("Batch must be the last operation: Zephon's plan ends in the "
+                                    "global batch.")
+                if t.batch_fn is not None:
+                    raise PlanError("Batch(batch_fn=...) is not supported; pad/pack with a Map first.")
+                batch = t
+            elif isinstance(t, grain.transforms.Map):
+                transforms.append(GrainMap(t))
+            elif isinstance(t, grain.transforms.Filter):
+                transforms.append(GrainFilter(t))
+                filtered = True
+            elif isinstance(t, grain.transforms.RandomMap):
+                tag = 0
+                transforms.append(GrainRandomMap(t, sampler._seed, "sampler", tag))  # noqa: SLF001
+            else:
+                raise PlanError(f"{type(t).__name__} is not supported by grain.DataLoader's Zephon "
+                                "twin; use Map, RandomMap, Filter and a final Batch.")
+        per_shard = batch.batch_size if batch is not None else 1
+        self.batched = batch is not None
+        stream: Node = GrainSampler(sampler._num_records, s_count, s_drop, sampler._shuffle,  # noqa: SLF001
+                                    sampler._seed, sampler._num_epochs)  # noqa: SLF001
+        if tag is not None:
+            stream = GrainIndex(stream, tag)
+        lanes = count if lanes is None else int(lanes)
+        if lanes % count:
+            raise PlanError(f"lanes={lanes} must be a multiple of the shard count {count} so that "
+                            "each Grain shard's batch is whole lanes.")
+        rows = count * per_shard
+        identity = lanes == count and self.workers == 1
+        if filtered and not identity:
+            raise PlanError("with a Filter, Grain fills each shard's (each worker's) batch from its "
+                            f"own stream; reproduce it with lanes={count} and worker_count=0.")
+        if not identity:
+            stream = GrainLoaderOrder(stream, count, per_shard, self.workers)
+            stream = ContiguousBatches(stream, lanes, rows // lanes)
+        self.plan = stream.lanes(lanes).batch(rows)  # type: ignore[attr-defined]
+        self.transforms = with_collate(tuple(transforms)) if self.batched else tuple(transforms)
+        self.sources = {0: GrainSource(data_source)}
+        self.rank = index if rank is None else rank
+        self.world = count if world is None else world
+        self.runner = runner
+        self.read_ahead = read_ahead
+
+    def loader(self, *, rank: int | None = None, world: int | None = None) -> Loader:
+        cls = CollatingLoader if self.batched else Loader
+        return cls(self.plan, self.sources, self.transforms, rank=self.rank if rank is None else rank,
+                   world=self.world if world is None else world, runner=self.runner,
+                   read_ahead=self.read_ahead)
+
+    def __iter__(self) -> Iterator:
+        return Iterator(self.loader(), batched=self.batched)
+
+    def fingerprints(self, steps: int, *, world: int | None = None) -> list[str]:
+        world = self.world if world is None else world
+        return run_fingerprints([self.loader(rank=r, world=world) for r in range(world)], steps)
+
+    def to_grain(self, shard_index: int | None = None) -> Any:
+        """The real `grain.DataLoader` with the same arguments (optionally for another shard)."""
+        args = dict(self.grain_args)
+        if shard_index is not None:
+            _, count, drop = _shard_tuple(args["shard_options"])
+            opts = grain.sharding.ShardOptions(shard_index, count, drop)
+            s = args["sampler"]
+            sampler_opts = opts if s._shard_options.shard_count != 1 else s._shard_options  # noqa: SLF001
+            args["sampler"] = grain.samplers.IndexSampler(
+                s._num_records, shard_options=sampler_opts, shuffle=s._shuffle,  # noqa: SLF001
+                num_epochs=s._num_epochs, seed=s._seed)  # noqa: SLF001
+            args["shard_options"] = opts
+        return grain.DataLoader(**args)
+
+
+# --- verify matrix -------------------------------------------------------------------------------
+
+def grain_fingerprints(batches: Iterable[Any], steps: int, lanes: int = 1) -> list[str]:
+    """Step fingerprints of the first `steps` batches of a real Grain pipeline.
+
+    Each Grain batch is taken as a global batch split into `lanes` equal lane blocks and digested
+    exactly like `zephon.verify.global_fingerprint` (bytes/str columns compared as exact
+    values), so the list equals `Dataset.fingerprints(steps)` of the Zephon twin built with the
+    same lane count when the data is the same. For a sharded `grain.DataLoader`, pass the
+    shards' batches concatenated (`concat_shards`).
+    """
+    out = []
+    it = iter(batches)
+    for _ in range(steps):
+        out.append(global_fingerprint(grain_batch_columns(next(it)), lanes))
+    return out
+
+
+def concat_shards(loaders: Sequence[Iterable[Any]]) -> TypingIterator[Any]:
+    """Global batches from the per-shard batches of several Grain loaders (shard order)."""
+    its = [iter(l) for l in loaders]
+    while True:
+        try:
+            parts = [grain_batch_columns(next(i)) for i in its]
+        except StopIteration:
+            return
+        yield unflatten_columns({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+
+
+__all__ = [
+    "Branches", "Collate", "CollatingLoader", "ContiguousBatches", "DataLoader", "Dataset",
+    "GrainFilter", "GrainIndex", "GrainLoaderOrder", "GrainMap", "GrainMapWithIndex",
+    "GrainMix", "GrainRandomMap", "GrainSampler", "GrainShuffle", "GrainSource", "IndexedRefs",
+    "Iterator", "READ_AHEAD", "RECORD", "RNG", "RecordsOf", "VALUE", "collate", "concat_shards",
+    "even_split", "flatten_record", "grain_batch_columns", "grain_fingerprints",
+    "grain_map_rng", "grain_proportions", "index_shuffle", "mix_selection", "records_of",
+    "records_to_columns", "stack_leaves", "unflatten_columns", "with_collate",
+]
