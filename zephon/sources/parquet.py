@@ -3,6 +3,11 @@
 Parquet's unit of decoding is the row group, so a read decodes each row group it touches once
 and gathers the requested rows from it; a small LRU keeps recently decoded groups, which is what
 makes a shuffle over a window of nearby groups cheap. Construction reads footers only.
+
+Under a global shuffle a read of a few records touches as many row groups, so the loader reads a
+whole window of batches at once (its read-ahead): every row group the window touches is decoded
+once, on a few threads (pyarrow decodes without the GIL), and the rows are gathered back into
+the window's order. The emitted order never depends on this grouping.
 """
 
 from __future__ import annotations
@@ -10,8 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,13 +38,18 @@ class ParquetSource:
     variable lists -> object arrays of 1-D arrays, or 2-D arrays for the columns named in
     `list_lengths` (each row must then have exactly that length); structs -> one column per
     field, named "struct/field". All files must share one schema for the selected columns.
+
+    `decode_threads` (default: up to 4, at most the CPUs available) decode the row groups of one
+    read in parallel; 1 decodes them in the calling thread.
     """
 
     def __init__(self, paths: Paths, columns: Sequence[str] | None = None, *,
-                 list_lengths: Mapping[str, int] | None = None, cache_row_groups: int = 4) -> None:
+                 list_lengths: Mapping[str, int] | None = None, cache_row_groups: int = 4,
+                 decode_threads: int | None = None) -> None:
         self.paths = expand_paths(paths, "ParquetSource")
         self.list_lengths = dict(list_lengths or {})
         self.cache_row_groups = cache_row_groups
+        self.decode_threads = decode_threads if decode_threads is not None else min(4, _cores())
         files = [self._open(p) for p in self.paths]
         schema = files[0].schema_arrow
         self.columns = list(columns) if columns is not None else list(schema.names)
@@ -64,7 +75,8 @@ class ParquetSource:
         rows = np.array([m[2] for m in meta], dtype=np.int64)
         self._group_ends = np.cumsum(rows)
         self._group_starts = self._group_ends - rows
-        self._reset(files)
+        self._reset()
+        self._local.files = files  # this thread keeps the handles construction opened
         log.debug("%r: %d rows in %d row groups", self, len(self), len(rows))
         self._what = repr(self)  # as_indices names the source; repr is too slow per read
 
@@ -74,17 +86,35 @@ class ParquetSource:
         import pyarrow.parquet as pq
 
         try:
-            return pq.ParquetFile(path)
+            return pq.ParquetFile(path, memory_map=True)
         except (OSError, pa.ArrowException) as e:
             raise SourceError(f"Parquet file {path!r} cannot be opened: {e}. It is truncated, "
                               "corrupt or not Parquet; rewrite it before reading.") from e
 
-    def _reset(self, files: list[Any] | None = None) -> None:
-        self._files: list[Any] = files or [None] * len(self.paths)
-        self._file_locks = [threading.Lock() for _ in self.paths]
+    def _reset(self) -> None:
+        # A ParquetFile is not safe to read from two threads, so each thread opens its own
+        # (opening a memory-mapped file reads only its footer).
+        self._local = threading.local()
         self._cache: OrderedDict[int, Columns] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
+
+    def _decoder_pool(self) -> ThreadPoolExecutor | None:
+        if self.decode_threads < 2:
+            return None
+        with self._cache_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="zephon-parquet")
+            return self._pool
+
+    def _file(self, index: int) -> Any:
+        files = getattr(self._local, "files", None)
+        if files is None:
+            files = self._local.files = [None] * len(self.paths)
+        if files[index] is None:
+            files[index] = self._open(self.paths[index])
+        return files[index]
 
     def __len__(self) -> int:
         return int(self._group_ends[-1]) if len(self._group_ends) else 0
@@ -95,7 +125,7 @@ class ParquetSource:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_files", "_file_locks", "_cache", "_cache_lock", "_pid"):
+        for key in ("_local", "_cache", "_cache_lock", "_pool", "_pid"):
             del state[key]
         return state
 
@@ -111,18 +141,41 @@ class ParquetSource:
         row = idx - self._group_starts[group]
         order = np.argsort(group, kind="stable")
         cuts = np.flatnonzero(np.diff(group[order])) + 1
-        pieces = [(pos, self._row_group(int(group[pos[0]]))) for pos in np.split(order, cuts)]
+        positions = np.split(order, cuts)
+        groups = [int(group[pos[0]]) for pos in positions]
+        if self._pid != os.getpid():  # forked: open our own files, start a fresh cache and pool
+            self._reset()
         out: Columns = {}
-        for name, first in pieces[0][1].items():
-            column = np.empty((len(idx), *first.shape[1:]), dtype=first.dtype)
-            for pos, decoded in pieces:
-                column[pos] = decoded[name][row[pos]]
-            out[name] = column
+        for pos, decoded in zip(positions, self._decode_all(groups)):
+            # Gather each group's rows as soon as it is decoded and let it go: a window under a
+            # global shuffle touches every row group, and holding them all would cost the file.
+            for name, values in decoded.items():
+                if name not in out:
+                    out[name] = np.empty((len(idx), *values.shape[1:]), dtype=values.dtype)
+                out[name][pos] = values[row[pos]]
         return out
 
+    def _decode_all(self, groups: list[int]) -> Iterator[Columns]:
+        """Decoded row groups in order, at most two per decode thread alive at once."""
+        pool = self._decoder_pool() if len(groups) > 1 else None
+        if pool is None:
+            yield from map(self._row_group, groups)
+            return
+        ahead = 2 * self.decode_threads
+        pending = deque(pool.submit(self._row_group, g) for g in groups[:ahead])
+        rest = iter(groups[ahead:])
+        try:
+            while pending:
+                decoded = pending.popleft().result()
+                nxt = next(rest, None)
+                if nxt is not None:
+                    pending.append(pool.submit(self._row_group, nxt))
+                yield decoded
+        finally:
+            for fut in pending:
+                fut.cancel()
+
     def _row_group(self, group: int) -> Columns:
-        if self._pid != os.getpid():  # forked: open our own files, start a fresh cache
-            self._reset()
         with self._cache_lock:
             if group in self._cache:
                 self._cache.move_to_end(group)
@@ -131,15 +184,12 @@ class ParquetSource:
 
         file, local = int(self._group_file[group]), int(self._group_local[group])
         path, first = self.paths[file], int(self._group_starts[group])
-        with self._file_locks[file]:  # a ParquetFile is not safe to read from two threads
-            if self._files[file] is None:
-                self._files[file] = self._open(path)
-            try:
-                table = self._files[file].read_row_group(local, columns=self.columns)
-            except (OSError, pa.ArrowException) as e:
-                raise SourceError(f"{path}: row group {local} (records {first}.."
-                                  f"{int(self._group_ends[group]) - 1}) cannot be read: {e}. The "
-                                  "file is corrupt or truncated; rewrite it.") from e
+        try:
+            table = self._file(file).read_row_group(local, columns=self.columns, use_threads=False)
+        except (OSError, pa.ArrowException) as e:
+            raise SourceError(f"{path}: row group {local} (records {first}.."
+                              f"{int(self._group_ends[group]) - 1}) cannot be read: {e}. The "
+                              "file is corrupt or truncated; rewrite it.") from e
         decoded = self._convert(table, lambda i: f"{path}: record {first + i} (row {i} of row "
                                                  f"group {local})")
         with self._cache_lock:
@@ -153,6 +203,13 @@ class ParquetSource:
         for name, column in zip(table.column_names, table.columns):
             _convert_array(name, column.combine_chunks(), self.list_lengths.get(name), locate, out)
         return out
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def _convert_array(name: str, arr: Any, list_length: int | None, locate: Callable[[int], str],

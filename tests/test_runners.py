@@ -1,0 +1,298 @@
+"""Runners change speed, never data: same fingerprints everywhere, clear errors, nothing left behind.
+
+Worker processes re-import this module to unpickle the step function, so every function a worker
+runs is defined at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import signal
+import sys
+
+import numpy as np
+import pytest
+
+from zephon import Loader, Map, RandomMap, Source, WorkerError
+from zephon.loader import steps_refs
+from zephon.runners import Inline, Processes, Threads, from_spec, inline, processes, threads
+from zephon.sources import ArrayRecordSource, ArraySource, FixedFields, write_sharded_array_record
+from zephon.verify import lane_digests, step_fingerprint
+
+N = 701
+SPEC = FixedFields({"tokens": ("int32", (16,)), "label": ("int64", ())})
+
+
+def plan(batch=32, lanes=8):
+    return Source(N).shuffle(5).repeat().lanes(lanes).batch(batch)
+
+
+def noisy(record, rng):
+    return {**record, "noise": rng.integers(0, 1 << 30, size=2)}
+
+
+def double(cols):
+    return {**cols, "tokens": cols["tokens"] * 2}
+
+
+def explode_past_64(cols):
+    if cols["label"].max() >= 64:
+        raise ValueError("record 64 is corrupt")
+    return cols
+
+
+def sized(i):
+    """Results whose array sizes vary (and grow past a shared-memory slot) plus plain values."""
+    return {"i": i, "a": np.full((100 + 400 * (i % 7), 9), i, np.float32), "tiny": np.arange(3) + i,
+            "text": f"item {i}", "obj": np.array([b"x" * i, None], dtype=object)}
+
+
+def die_at_5(i):
+    if i == 5:
+        os._exit(3)
+    return np.full(4096, i, np.int64)
+
+
+def kill_self_at_3(i):
+    if i == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return np.full(4096, i, np.int64)
+
+
+def raise_at_4(i):
+    if i == 4:
+        raise KeyError(f"no record {i}")
+    return np.full(4096, i, np.int64)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 1 << 20, size=(N, 16), dtype=np.int32)
+    label = np.arange(N, dtype=np.int64)
+    prefix = tmp_path_factory.mktemp("ar") / "data"
+    write_sharded_array_record(prefix, [SPEC.encode({"tokens": t, "label": l}) for t, l in zip(tokens, label)], 3)
+    return str(prefix) + "@3", {"tokens": tokens, "label": label}
+
+
+def fingerprints(loader, steps):
+    """Fingerprints of `steps` batches, computed after all were collected (a runner must never
+    reuse memory of a batch the caller still holds)."""
+    batches = [next(loader) for _ in range(steps)]
+    return [step_fingerprint(lane_digests(b)) for b in batches], batches
+
+
+def all_runners():
+    return [inline(), threads(2), Threads(3, depth=1), processes(2), Processes(1, depth=3)]
+
+
+@contextlib.contextmanager
+def deadline(seconds):
+    """Fails the test instead of hanging it (a guard, not a timing assertion)."""
+    def fail(*_):
+        raise TimeoutError(f"no result within {seconds} s: the consumer hung")
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def shm_segments(names):
+    return [n for n in names if os.path.exists(f"/dev/shm/{n}")]
+
+
+def alive(pids):
+    out = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is not a process left running
+            if f.read().split(")")[-1].split()[0] != "Z":
+                out.append(pid)
+    return out
+
+
+def test_steps_refs_equal_per_step_refs():
+    p = Source(N).shuffle(1).repeat().lanes(4).batch(12)
+    lanes = p.lanes.owned(1, 2)
+    got = steps_refs(p, 7, 5, lanes)
+    want = [p.refs(s, lanes) for s in range(7, 12)]
+    for f in ("source", "record", "epoch"):
+        assert np.array_equal(getattr(got, f), np.concatenate([getattr(w, f) for w in want]))
+
+
+def test_every_runner_and_read_ahead_gives_the_same_fingerprints(records):
+    paths, data = records
+    src = ArrayRecordSource(paths, SPEC)
+    ref, ref_batches = fingerprints(Loader(plan(), src), 40)
+    assert np.array_equal(ref_batches[3].data["label"], plan().refs(3).record)
+    assert np.array_equal(ref_batches[3].data["tokens"], data["tokens"][plan().refs(3).record])
+    for runner in all_runners():
+        for read_ahead in (1, 100, None):
+            with Loader(plan(), src, runner=runner, read_ahead=read_ahead) as loader:
+                got, _ = fingerprints(loader, 40)
+            assert got == ref, (runner, read_ahead)
+
+
+def test_runners_agree_with_transforms_ranks_and_a_finite_plan(records):
+    paths, _ = records
+    src = ArrayRecordSource(paths, SPEC)
+    finite = Source(N).shuffle(2).lanes(4).batch(16)  # 43 full batches, then the end
+    transforms = [RandomMap(noisy), Map(double, batched=True)]
+    for rank in range(2):
+        ref = list(Loader(finite, src, transforms, seed=9, rank=rank, world=2))
+        assert len(ref) == 43
+        for runner in (threads(2), processes(2)):
+            with Loader(finite, src, transforms, seed=9, rank=rank, world=2, runner=runner, read_ahead=50) as l:
+                got = list(l)
+            assert [lane_digests(b) for b in got] == [lane_digests(b) for b in ref]
+
+
+def test_seek_and_restore_mid_flight_with_workers(records):
+    paths, _ = records
+    src = ArrayRecordSource(paths, SPEC)
+    ref, _ = fingerprints(Loader(plan(), src), 30)
+    with Loader(plan(), src, runner=processes(2), read_ahead=64) as loader:
+        head, _ = fingerprints(loader, 5)  # groups beyond step 5 are in flight
+        state = loader.state()
+        loader.seek(20)
+        tail, _ = fingerprints(loader, 10)
+        loader.restore(state)
+        mid, _ = fingerprints(loader, 15)
+        assert loader.batch(29).step == 29
+    assert head == ref[:5] and tail == ref[20:30] and mid == ref[5:20]
+
+
+def test_imap_orders_results_and_survives_growing_results():
+    want = [sized(i) for i in range(40)]
+    for runner in (Inline(), Threads(3), Processes(2, depth=4), from_spec("processes:1")):
+        with deadline(60):
+            got = list(runner.imap(sized, range(40)))
+        runner.close()
+        assert [g["i"] for g in got] == list(range(40))
+        for g, w in zip(got, want):
+            assert g["text"] == w["text"] and list(g["obj"]) == list(w["obj"])
+            assert np.array_equal(g["a"], w["a"]) and np.array_equal(g["tiny"], w["tiny"])
+            assert g["a"].flags.writeable  # backends may hand it to torch without a copy
+
+
+def test_exceptions_keep_their_type_and_earlier_steps_arrive(records):
+    paths, _ = records
+    src = ArrayRecordSource(paths, SPEC)
+    unshuffled = Source(N).lanes(8).batch(32)  # batch k holds records 32k .. 32k+31
+    for runner in all_runners():
+        with Loader(unshuffled, src, [Map(explode_past_64, batched=True)], runner=runner) as loader:
+            assert [int(next(loader).data["label"].max()) for _ in range(2)] == [31, 63]
+            for _ in range(2):  # raised again on retry, never a hang or a silent end
+                with deadline(30), pytest.raises(ValueError, match="record 64 is corrupt"):
+                    next(loader)
+            assert loader.step == 2
+    with Processes(2) as runner, deadline(30):
+        it = runner.imap(raise_at_4, range(10))
+        assert [int(next(it)[0]) for _ in range(4)] == [0, 1, 2, 3]
+        with pytest.raises(KeyError, match="no record 4") as info:
+            next(it)
+        assert "raise_at_4" in str(info.value.__cause__)  # the worker's traceback is chained
+
+
+@pytest.mark.parametrize("fn, expect", [(die_at_5, "exit code 3"), (kill_self_at_3, "SIGKILL")])
+def test_dead_worker_raises_worker_error_and_leaves_nothing(fn, expect):
+    runner = Processes(2, depth=4)
+    it = runner.imap(fn, range(20))
+    with deadline(30), pytest.raises(WorkerError, match=expect):
+        for _ in it:
+            pass
+    pids, segments = runner.pids, runner.segments
+    assert pids == [] and segments == []  # the runner shut itself down
+    assert list(runner.imap(np.negative, [1, 2])) == [-1, -2]  # and restarts on the next use
+    runner.close()
+
+
+def test_worker_killed_from_outside_is_detected(records):
+    paths, _ = records
+    loader = Loader(plan(), ArrayRecordSource(paths, SPEC), runner=processes(2), read_ahead=32)
+    next(loader)
+    next(loader)
+    victim = loader.runner.pids[0]
+    os.kill(victim, signal.SIGKILL)
+    with deadline(30), pytest.raises(WorkerError, match=f"pid {victim}.*SIGKILL"):
+        for _ in range(200):
+            next(loader)
+    loader.close()
+
+
+def test_close_and_garbage_collection_leave_no_process_or_segment():
+    src = ArraySource({"x": np.arange(N * 512, dtype=np.float32).reshape(N, 512)})  # 64 KiB a batch
+    loader = Loader(plan(), src, runner=processes(2), read_ahead=64)
+    kept = [next(loader) for _ in range(12)]  # batches living in shared memory
+    pids, segments = loader.runner.pids, loader.runner.segments
+    assert len(alive(pids)) == 2 and shm_segments(segments)
+    loader.close()
+    assert alive(pids) == [] and shm_segments(segments) == []
+    # batches the caller kept stay valid after their segments are unlinked
+    ref = Loader(plan(), src)
+    assert all(np.array_equal(b.data["x"], ref.batch(b.step).data["x"]) for b in kept)
+
+    dropped = Loader(plan(), src, runner=processes(2), read_ahead=64)
+    for _ in range(12):
+        next(dropped)
+    pids, segments = dropped.runner.pids, dropped.runner.segments
+    assert shm_segments(segments)
+    del dropped  # no close(): collecting the loader ends its workers and unlinks its memory
+    gc.collect()
+    assert alive(pids) == [] and shm_segments(segments) == []
+
+
+def test_unpicklable_step_function_is_a_clear_error():
+    src = ArraySource({"x": np.arange(N)})
+    loader = Loader(plan(), src, [Map(lambda r: r)], runner=processes(1))
+    next(loader)  # the first step runs in the caller's thread
+    with pytest.raises(WorkerError, match="cannot be pickled.*threads()"):
+        next(loader)
+    loader.close()
+
+
+def test_runner_arguments_are_validated():
+    for bad in (lambda: threads(0), lambda: processes(-1), lambda: Processes(2, start_method="nope"),
+                lambda: from_spec("gpu")):
+        with pytest.raises(ValueError):
+            bad()
+    assert sys.platform != "linux" or Processes().start_method == "forkserver"
+
+
+def test_runners_pickle_as_their_configuration():
+    import pickle
+
+    runner = Processes(2, depth=3, timeout=9.0)
+    assert list(runner.imap(np.negative, [4])) == [-4]
+    copy = pickle.loads(pickle.dumps(runner))
+    assert (copy.workers, copy.depth, copy.timeout, copy.pids) == (2, 3, 9.0, [])
+    runner.close()
+    assert pickle.loads(pickle.dumps(Threads(3, depth=5))).depth == 5
+
+
+def test_shared_memory_stays_bounded_by_the_depth():
+    src = ArraySource({"x": np.arange(N * 512, dtype=np.float32).reshape(N, 512)})
+    runner = Processes(2, depth=3)
+    with Loader(plan(), src, runner=runner, read_ahead=64) as loader:
+        most = 0
+        for _ in range(300):  # ~150 group results through the slots
+            next(loader)
+            most = max(most, len(runner.segments))
+    assert 1 <= most <= runner.depth + 2  # in flight + the batch being consumed
+
+
+def test_a_superseded_imap_refuses_to_continue():
+    with Processes(2) as runner:
+        old = runner.imap(np.negative, range(10))
+        assert next(old) == 0
+        assert list(runner.imap(np.positive, range(3))) == [0, 1, 2]
+        with pytest.raises(RuntimeError, match="abandoned"):
+            next(old)
