@@ -160,7 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     b = sub.add_parser("bench", help="head-to-head throughput against Grain and the raw ArrayRecord limit")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for benchmarks/run.py")
     b.set_defaults(fn=cmd_bench)
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if extra and args.cmd != "bench":
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.cmd == "bench":
+        args.rest = extra + args.rest
     return int(args.fn(args))
 
 
