@@ -34,7 +34,6 @@ degree (each rank asks for the lanes it now owns).
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import logging
 import math
@@ -434,11 +433,7 @@ class ZephonIterableDataset(IterableDataset):
             raise PlanError(f"a pipeline with a Filter advances its lanes sequentially, so "
                             f"{info.num_workers} DataLoader workers cannot split it by step; use "
                             "num_workers=0 or 1.")
-        n = self.plan.num_steps
-        first = loader.step + info.id
-        steps = itertools.count(first, info.num_workers) if n is None else range(first, n, info.num_workers)
-        run = self.runner.imap if self.runner is not None else map
-        for batch in run(loader.batch, steps):
+        for batch in loader.strided(loader.step + info.id, info.num_workers):
             yield self.emitter(batch)
 
 

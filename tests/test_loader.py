@@ -221,3 +221,25 @@ def test_mismatch_report_names_step_lane_field(src):
     assert first_mismatch(fa, fb) == 0
     m = explain_mismatch(0, a.batch(0), b.batch(0))
     assert (m.step, m.lane, m.field) == (0, 2, "x")  # row 9 sits in lane 2 (4 rows per lane)
+
+
+@pytest.mark.parametrize("read_ahead", [1, 64, 10_000])
+def test_strided_iteration_equals_random_access(src, read_ahead):
+    p = Source(N).shuffle(2).lanes(4).batch(8)  # finite: 62 steps
+    l = Loader(p, src, read_ahead=read_ahead)
+    for start, stride in [(0, 1), (1, 3), (5, 7), (61, 2)]:
+        got = list(l.strided(start, stride))
+        assert [b.step for b in got] == list(range(start, p.num_steps, stride))
+        assert all(np.array_equal(b.data["x"], l.batch(b.step).data["x"]) for b in got)
+    assert l.step == 0 and list(l.strided(62, 2)) == []
+    inf = Loader(plan(), src, read_ahead=read_ahead)
+    it = inf.strided(3, 4)
+    assert all(np.array_equal(next(it).data["id"], inf.batch(3 + 4 * k).data["id"]) for k in range(20))
+
+
+def test_filter_pass_that_keeps_nothing_is_skipped():
+    # records 0..7 fail the filter: the first pass of every lane keeps nothing
+    src = ArraySource({"id": np.arange(64, dtype=np.int64)})
+    keep = Filter(lambda c: c["id"] >= 8, batched=True)
+    b = next(Loader(Source(64).lanes(2).batch(4), src, [keep]))
+    assert b.data["id"].tolist() == [8, 10, 9, 11]

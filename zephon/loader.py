@@ -127,22 +127,25 @@ READ_AHEAD_ROWS = 16384
 READ_AHEAD_BYTES = 16 << 20
 
 
-def steps_refs(plan: Batch, start: int, count: int, lanes: np.ndarray) -> Refs:
-    """The refs of `count` consecutive steps' rows (owned by `lanes`), step after step.
+def steps_refs(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: int = 1) -> Refs:
+    """The refs of steps start, start+stride, ... (`count` of them, rows owned by `lanes`).
 
-    Equal to concatenating `plan.refs(s, lanes)` for s in [start, start + count), but resolved
-    in one vectorised call, which is what makes small batches cheap.
+    Equal to concatenating `plan.refs(s, lanes)` over those steps, but resolved in one
+    vectorised call, which is what makes small batches cheap.
     """
     n = plan.num_steps
-    if n is not None and start + count > n:
-        raise PlanError(f"steps [{start}, {start + count}) run past the end of the plan ({n} global batches)")
-    if start < 0 or count < 1:
-        raise PlanError(f"need start >= 0 and count >= 1, got start={start}, count={count}")
+    if start < 0 or count < 1 or stride < 1:
+        raise PlanError(f"need start >= 0, count >= 1 and stride >= 1, got start={start}, "
+                        f"count={count}, stride={stride}")
+    last = start + (count - 1) * stride
+    if n is not None and last >= n:
+        raise PlanError(f"step {last} runs past the end of the plan ({n} global batches)")
     b = plan.per_lane
     lanes = np.asarray(lanes, np.int64)
     lane = np.tile(np.repeat(lanes, b), count)
     within = np.tile(np.arange(b, dtype=np.int64), len(lanes))
-    index = (np.arange(start, start + count, dtype=np.int64)[:, None] * b + within).ravel()
+    steps = start + stride * np.arange(count, dtype=np.int64)
+    index = (steps[:, None] * b + within).ravel()
     return plan.lanes.resolve(plan.lanes.stream_positions(lane, index))
 
 
@@ -190,14 +193,14 @@ class StepTask:
         result.raise_error()
         return result.batches[0]
 
-    def run(self, start: int, count: int) -> GroupResult:
+    def run(self, start: int, count: int, stride: int = 1) -> GroupResult:
         try:
-            refs = steps_refs(self.plan, start, count, self.lanes)
+            refs = steps_refs(self.plan, start, count, self.lanes, stride)
             cols = read_refs(self.sources, refs)
         except Exception:
             if count == 1:
                 return _failed(start, [])
-            return self._one_by_one(start, count)  # error path: pin the failure on its step
+            return self._one_by_one(start, count, stride)  # error path: pin the failure on its step
         rows = len(refs) // count
         out: list[Columns] = []
         for k in range(count):
@@ -211,9 +214,9 @@ class StepTask:
             out.append(part)
         return GroupResult(start, out)
 
-    def _one_by_one(self, start: int, count: int) -> GroupResult:
+    def _one_by_one(self, start: int, count: int, stride: int) -> GroupResult:
         out: list[Columns] = []
-        for step in range(start, start + count):
+        for step in range(start, start + count * stride, stride):
             single = self.run(step, 1)
             if single.error is not None:
                 return GroupResult(start, out, single.error, single.traceback)
@@ -228,17 +231,16 @@ def _failed(start: int, done: list[Columns]) -> GroupResult:
 
 @dataclass(frozen=True)
 class GroupTask:
-    """`(start, count) -> GroupResult`: what a runner maps over (picklable, pure)."""
+    """`(start, count, stride) -> GroupResult`: what a runner maps over (picklable, pure)."""
 
     task: StepTask
 
-    def __call__(self, item: tuple[int, int]) -> GroupResult:
-        start, count = item
-        return self.task.run(start, count)
+    def __call__(self, item: tuple[int, int, int]) -> GroupResult:
+        return self.task.run(*item)
 
 
-def _iterate(task: StepTask, runner: Any, start: int, read_ahead: int) -> Iterator[Columns]:
-    """Owned rows of steps start, start+1, ...: the first step inline, the rest in group reads.
+def _iterate(task: StepTask, runner: Any, start: int, read_ahead: int, stride: int = 1) -> Iterator[Columns]:
+    """Owned rows of steps start, start+stride, ...: the first inline, the rest in group reads.
 
     The first step is computed in the caller's thread, so it comes back as fast as one step can,
     and its size bounds the group reads (`READ_AHEAD_BYTES`) before any is issued. A module-level
@@ -254,8 +256,9 @@ def _iterate(task: StepTask, runner: Any, start: int, read_ahead: int) -> Iterat
     if nbytes:
         group = max(1, min(group, READ_AHEAD_BYTES // nbytes))
     n = plan.num_steps
-    starts = itertools.count(start + 1, group) if n is None else range(start + 1, n, group)
-    items = ((s, group if n is None else min(group, n - s)) for s in starts)
+    nxt = start + stride
+    starts = itertools.count(nxt, group * stride) if n is None else range(nxt, n, group * stride)
+    items = ((s, group if n is None else min(group, -(-(n - s) // stride)), stride) for s in starts)
     gtask = GroupTask(task)
     results = map(gtask, items) if runner is None else iter(runner.imap(gtask, items))
     try:
@@ -349,6 +352,18 @@ class Loader:
         if closer is not None:
             closer()
 
+    def strided(self, start: int, stride: int) -> Iterator[LocalBatch]:
+        """Batches start, start+stride, ... with grouped reads, for splitting steps among
+        workers (worker w of W takes `strided(first + w, W)`). Leaves `self.step` alone."""
+        if not self.one_to_one:
+            raise PlanError("strided iteration needs a one-to-one pipeline; a filter advances "
+                            "its lanes sequentially.")
+        n = self.plan.num_steps
+        if n is not None and start >= n:
+            return
+        for k, cols in enumerate(_iterate(self._task, self.runner, start, self.read_ahead, stride)):
+            yield LocalBatch(start + k * stride, cols, self.owned, self.plan.per_lane, self.plan.size)
+
     def batch(self, step: int) -> LocalBatch:
         """Random access to global batch `step` (one-to-one pipelines only)."""
         if not self.one_to_one:
@@ -405,7 +420,8 @@ class Loader:
             nth = np.arange(len(k_lane)) - first
             take = nth < need[k_lane]
             sel = kept[take]
-            parts.append((k_lane[take], index[sel], {k: v[take] for k, v in cols.items()}))
+            if take.any():  # a pass that kept nothing may not even carry the columns' schema
+                parts.append((k_lane[take], index[sel], {k: v[take] for k, v in cols.items()}))
             got = np.bincount(k_lane[take], minlength=len(owned))
             done = act[got[act] == need[act]]
             # satisfied lanes resume right after their last used input; others after the chunk
