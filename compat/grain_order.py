@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from zephon.errors import PlanError
-from zephon.plan import Node, Refs
+from zephon.plan import Node, PassThrough, Refs
 
 GRAIN_INFINITE = sys.maxsize
 """`len()` of an infinite Grain dataset (Grain's own convention)."""
@@ -206,19 +206,11 @@ def _grain_len(node: Node) -> int:
 
 
 @dataclass(frozen=True)
-class GrainIndex(Node):
+class GrainIndex(PassThrough):
     """Transparent node that records each row's Grain index at this depth under `tag`."""
 
     child: Node
     tag: int
-
-    @property
-    def length(self) -> int | None:
-        return self.child.length
-
-    @property
-    def period(self) -> int | None:
-        return self.child.period
 
     def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
         refs = self.child._resolve(pos, epoch)
@@ -228,7 +220,7 @@ class GrainIndex(Node):
 # --- MapDataset.shuffle and MapDataset.mix ---------------------------------------------------
 
 @dataclass(frozen=True)
-class GrainShuffle(Node):
+class GrainShuffle(PassThrough):
     """`MapDataset.shuffle(seed)`: index_shuffle within each epoch, keyed `(seed + epoch) % 2**32`.
 
     Over an infinite child Grain shuffles the whole `sys.maxsize` index space, and so does this.
@@ -241,14 +233,6 @@ class GrainShuffle(Node):
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not (
                 0 <= self.seed < 2 ** 32):
             raise PlanError(f"Grain shuffle seeds are integers in [0, 2**32), got {self.seed!r}")
-
-    @property
-    def length(self) -> int | None:
-        return self.child.length
-
-    @property
-    def period(self) -> int | None:
-        return self.child.period
 
     def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
         n = _grain_len(self.child)

@@ -156,6 +156,20 @@ class Node:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:32]
 
 
+class PassThrough(Node):
+    """A node whose stream has its child's length and epoch length (it reorders or annotates)."""
+
+    child: Node
+
+    @property
+    def length(self) -> int | None:
+        return self.child.length
+
+    @property
+    def period(self) -> int | None:
+        return self.child.period
+
+
 def _check_int(name: str, v: Any, minimum: int) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
         raise PlanError(f"{name} must be an integer >= {minimum}, got {v!r}")
@@ -185,7 +199,7 @@ class Source(Node):
 
 
 @dataclass(frozen=True)
-class Shuffle(Node):
+class Shuffle(PassThrough):
     """A keyed bijection per epoch.
 
     Over a repeated stream (a child with a `period`) it permutes within each epoch, so every
@@ -201,14 +215,6 @@ class Shuffle(Node):
             raise PlanError("cannot shuffle an infinite stream that has no epoch length (e.g. a mix "
                             "of repeated sources); shuffle each child before repeat/mix, or mix "
                             "finite sources and then repeat and shuffle.")
-
-    @property
-    def length(self) -> int | None:
-        return self.child.length
-
-    @property
-    def period(self) -> int | None:
-        return self.child.period
 
     @property
     def _block(self) -> int:
