@@ -15,6 +15,7 @@ bounded queue, and `state()` describes the batches the *caller* consumed, not th
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import math
@@ -195,12 +196,22 @@ class Emitter:
                             f"{sorted(self.shardings)}); add one or pass exclude=({name!r},).")
         return self.shardings[name]
 
+    def host(self, batch: LocalBatch) -> HostBatch:
+        """The host-side half: fields checked and converted to device dtypes, with global shapes."""
+        return {name: (device_dtype_array(name, arr), batch.global_shape(name))
+                for name, arr in batch.data.items() if name not in self.exclude}
+
+    def device(self, host: HostBatch) -> dict[str, jax.Array]:
+        """The device half: global arrays, transfers dispatched asynchronously."""
+        return {name: jax.make_array_from_process_local_data(self.sharding(name), arr, shape)
+                for name, (arr, shape) in host.items()}
+
     def __call__(self, batch: LocalBatch) -> dict[str, jax.Array]:
         """Global arrays of `batch`, transferred to the devices before returning."""
-        out = {name: jax.make_array_from_process_local_data(
-                   self.sharding(name), device_dtype_array(name, arr), batch.global_shape(name))
-               for name, arr in batch.data.items() if name not in self.exclude}
-        return jax.block_until_ready(out)
+        return jax.block_until_ready(self.device(self.host(batch)))
+
+
+HostBatch = dict[str, tuple[np.ndarray, tuple[int, ...]]]
 
 
 class _End:
@@ -214,11 +225,15 @@ class _Failure:
     error: BaseException
 
 
-Item = tuple[dict[str, jax.Array], dict[str, Any]] | _End | _Failure
+Item = tuple[HostBatch, dict[str, Any]] | _End | _Failure
 
 
 class _Prefetcher:
-    """A thread that runs the loader and the device transfer ahead of the caller.
+    """A thread that runs the loader and the host-side conversion ahead of the caller.
+
+    Device transfers are dispatched from the caller's thread (see `JaxLoader.__next__`): on the
+    CPU backend a transfer issued from a second thread while a jitted step runs collectives
+    across the fake devices can starve the step's rendezvous (XLA aborts after 40 s).
 
     The queue holds at most `depth` batches and the thread one more in progress. The thread
     references neither the prefetcher nor the JaxLoader, so an abandoned JaxLoader is collected
@@ -278,7 +293,7 @@ def _produce(loader: Loader, emit: Emitter, out: queue.Queue[Item], stop: thread
             except StopIteration:
                 put(_End())
                 return
-            put((emit(batch), loader.state()))
+            put((emit.host(batch), loader.state()))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the consumer
         put(_Failure(e))
 
@@ -293,9 +308,10 @@ class JaxLoader:
       sharding: instead of mesh/batch_axes, a `NamedSharding` for every field, or a mapping
         field -> `NamedSharding` (e.g. tokens also split over a sequence axis). The batch dim's
         partitioning must be the same for every field.
-      prefetch: batches built on device ahead of the caller by a background thread (0: build
-        each batch when asked, in the caller's thread). Memory holds at most prefetch + 1 batches
-        beyond the one the caller has.
+      prefetch: batches kept in flight to the devices ahead of the caller; a background thread
+        loads and converts them on the host, and their transfers are dispatched (asynchronously)
+        from the caller's thread (0: build each batch when asked, in the caller's thread). Memory
+        holds at most 2 * prefetch + 1 batches beyond the one the caller has.
       exclude: fields not to emit (e.g. raw bytes kept for debugging in the numpy backend).
       seed, runner, start_step: passed to `zephon.Loader`.
 
@@ -326,6 +342,8 @@ class JaxLoader:
         self._prefetcher: _Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
         self._ended: _End | _Failure | None = None
+        self._ahead: collections.deque[tuple[dict[str, jax.Array], dict[str, Any]]] = collections.deque()
+        self._last: _End | _Failure | None = None  # what the producer ended with, after _ahead
 
     @property
     def step(self) -> int:
@@ -351,11 +369,17 @@ class JaxLoader:
         if self._prefetcher is None:
             self._prefetcher = _Prefetcher(self._loader, self.emit, self.prefetch)
             self._finalizer = weakref.finalize(self, self._prefetcher.stop)
-        item = self._prefetcher.take()
-        if isinstance(item, (_End, _Failure)):
-            self._ended = item
+        # Keep `prefetch` batches' transfers in flight: dispatched now, awaited by the step.
+        while self._last is None and len(self._ahead) < self.prefetch:
+            item = self._prefetcher.take()
+            if isinstance(item, (_End, _Failure)):
+                self._last = item
+            else:
+                self._ahead.append((self.emit.device(item[0]), item[1]))
+        if not self._ahead:
+            self._ended = self._last
             return self.__next__()
-        arrays, self._state = item
+        arrays, self._state = self._ahead.popleft()
         return arrays
 
     def _halt(self) -> None:
@@ -363,6 +387,8 @@ class JaxLoader:
         if self._finalizer is not None:
             self._finalizer()
         self._prefetcher = self._finalizer = None
+        self._ahead.clear()
+        self._last = None
 
     # --- state -------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
