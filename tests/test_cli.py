@@ -19,3 +19,10 @@ def test_explain_prints_rows_of_a_plan_file(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 5
     assert [int(l.split()[3]) for l in lines[1:]] == plan.refs(3).record.tolist()
+
+
+def test_verify_matrix_includes_runners_and_all_agree(capsys):
+    assert main(["verify", "--records", "2000", "--steps", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "runner processes:2" in out and "runner threads:2" in out
+    assert out.count(" yes") == 16 and "NO (" not in out  # 8 configurations x 2 mappings

@@ -59,6 +59,19 @@ def resumed_run(plan: Batch, src: ArrayRecordSource, steps: int, stop: int, worl
     return fps + run_fingerprints(after, steps - stop)
 
 
+def _runner_run(plan: Batch, src: ArrayRecordSource, steps: int, spec: str) -> list[str]:
+    """Fingerprints at D=2 with every rank's steps executed by a runner (speed only, never data)."""
+    from zephon.runners import from_spec
+
+    runners = [from_spec(spec) for _ in range(2)]
+    loaders = [Loader(plan, src, rank=r, world=2, runner=runners[r]) for r in range(2)]
+    try:
+        return run_fingerprints(loaders, steps)
+    finally:
+        for l in loaders:
+            l.close()
+
+
 def matrix(plan: Batch, src: ArrayRecordSource, steps: int, transforms: Sequence[Transform],
            state_dir: str, extra: Sequence[tuple[str, Callable[[], list[str]]]] = ()) -> list[Run]:
     from tqdm import tqdm
@@ -123,7 +136,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         ok = True
         for mapping in ("contiguous", "interleaved"):
             plan = Source(len(src)).shuffle(args.seed).repeat().lanes(8, mapping).batch(64)
-            ok &= print_table(f"mapping={mapping}", matrix(plan, src, args.steps, (), tmp))
+            extra = [(f"D=2, runner {spec}", lambda spec=spec, plan=plan: _runner_run(plan, src, args.steps, spec))
+                     for spec in ("threads:2", "processes:2")]
+            ok &= print_table(f"mapping={mapping}", matrix(plan, src, args.steps, (), tmp, extra))
     return 0 if ok else 1
 
 
