@@ -18,6 +18,7 @@ from zephon.errors import DecodeError
 from zephon.permute import splitmix64
 from zephon.plan import Refs
 from zephon.sources.base import Columns
+from zephon.sources.spec import stack_values
 
 Record = dict[str, Any]
 
@@ -28,20 +29,12 @@ def to_records(cols: Columns) -> list[Record]:
 
 
 def stack_records(records: list[Record], template: Columns | None = None) -> Columns:
-    """Stacks per-record dicts into columns: numpy where shapes agree, object arrays otherwise."""
+    """Stacks per-record dicts into columns with the sources' rule (`stack_values`): numbers and
+    equal-shape numeric arrays stack, anything else (text, bytes, ragged) is an object array, so a
+    column's dtype never depends on which records one step happened to hold."""
     if not records:
         return {k: v[:0] for k, v in (template or {}).items()}
-    out: Columns = {}
-    for k in records[0]:
-        vals = [r[k] for r in records]
-        arrs = [np.asarray(v) for v in vals]
-        if all(a.dtype != object and a.shape == arrs[0].shape for a in arrs):
-            out[k] = np.stack(arrs)
-        else:
-            col = np.empty(len(vals), dtype=object)
-            col[:] = vals if not all(isinstance(v, np.ndarray) for v in vals) else [a for a in arrs]
-            out[k] = col
-    return out
+    return {k: stack_values([r[k] for r in records]) for k in records[0]}
 
 
 def record_seeds(seed: int, refs: Refs) -> np.ndarray:
