@@ -84,8 +84,11 @@ def train(shape: tuple[int, ...], steps: int, params: dict[str, jax.Array] | Non
         while loader.step < steps:
             batch = next(loader)
             params, loss = train_step(params, batch)
-            losses.append(loss)
-        return [float(v) for v in losses], params, loader.state()
+            # Read the loss every step, as a logging loop does. Without any sync, hundreds of
+            # steps queue up asynchronously and XLA's CPU backend can starve the all-reduce
+            # rendezvous of its 8 fake devices (an XLA-CPU limit, not a data-loading one).
+            losses.append(float(loss))
+        return losses, params, loader.state()
 
 
 def main() -> None:
