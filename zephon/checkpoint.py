@@ -1,0 +1,224 @@
+"""Loader states on disk: small JSON files, written so that no crash can tear or litter them.
+
+`save_state` writes `.{name}.zephon-tmp-{host}-{pid}-{random}` beside the target, fsyncs it,
+renames it over the target (`os.replace`, atomic on POSIX) and fsyncs the directory, so after a
+crash at any instant the target holds either the previous state or the new one, never a mix. A
+process killed mid-write (SIGKILL, OOM, preemption) leaves its temp file behind; the next save to
+the same target removes temp files of that target whose writer is gone.
+
+`load_state` reads JSON only: nothing is ever unpickled (unpickling a file can run arbitrary code).
+A pickle, a zip (torch.save), a file that is not UTF-8 text, or a state from a newer Zephon gets a
+`StateError` that says what the file is and what to do.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from zephon.errors import StateError
+
+#: The newest state format this Zephon reads and writes (`"zephon_state"` in every state).
+STATE_VERSION = 1
+
+_TMP_MARK = ".zephon-tmp-"
+#: A temp file of another host cannot be checked for a live writer; it is stale after this long.
+_FOREIGN_TMP_SECONDS = 600.0
+
+_writing: set[str] = set()  # temp files this process is writing right now (other threads' saves)
+_writing_lock = threading.Lock()
+
+
+def _host() -> str:
+    return socket.gethostname().replace("-", "_").replace("/", "_") or "host"
+
+
+def _tmp_prefix(path: str) -> str:
+    d, base = os.path.split(path)
+    return os.path.join(d, f".{base}{_TMP_MARK}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _stale_temps(path: str) -> list[str]:
+    """Temp files of earlier saves to `path` whose writer is gone (never one being written)."""
+    d, base = os.path.split(path)
+    head = f".{base}{_TMP_MARK}"
+    try:
+        names = [n for n in os.listdir(d or ".") if n.startswith(head)]
+    except OSError:
+        return []
+    stale, host, now = [], _host(), time.time()
+    for name in names:
+        full = os.path.join(d, name)
+        with _writing_lock:
+            if full in _writing:
+                continue
+        parts = name[len(head):].rsplit("-", 2)  # host, pid, random
+        if len(parts) != 3 or not parts[1].isdigit():
+            continue  # not one of ours after all
+        if parts[0] == host:
+            if int(parts[1]) == os.getpid() or not _pid_alive(int(parts[1])):
+                stale.append(full)
+        else:
+            try:
+                if now - os.stat(full).st_mtime > _FOREIGN_TMP_SECONDS:
+                    stale.append(full)
+            except OSError:
+                pass
+    return stale
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # a directory we may not open (or no such thing on this platform): rename stands
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
+    """Writes `state` as JSON atomically (temp file, fsync, rename, fsync of the directory).
+
+    The target is never torn: a reader sees the old state or the new one. Temp files of earlier
+    saves to the same target that were interrupted are removed.
+    """
+    path = os.path.abspath(os.fspath(path))
+    try:
+        text = json.dumps(state, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise StateError(f"cannot save the state to {path}: it is not JSON ({e}). Save the dict "
+                         "that Loader.state() returned, unchanged; add your own values to "
+                         "another file.") from e
+    d = os.path.dirname(path)
+    if not os.path.isdir(d):
+        raise StateError(f"cannot save the state to {path}: the directory {d} does not exist; "
+                         "create it first.")
+    for stale in _stale_temps(path):
+        try:
+            os.unlink(stale)
+        except FileNotFoundError:
+            pass
+    tmp = f"{_tmp_prefix(path)}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    with _writing_lock:
+        _writing.add(tmp)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            data = text.encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        _fsync_dir(d)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    finally:
+        with _writing_lock:
+            _writing.discard(tmp)
+
+
+def _zephon_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("zephon")
+    except Exception:  # noqa: BLE001 - not installed as a distribution (a source checkout)
+        return "unknown"
+
+
+def _what_binary(data: bytes) -> str | None:
+    """Names a non-JSON file format from its first bytes, or None."""
+    if data[:1] == b"\x80":
+        proto = data[1] if len(data) > 1 else "?"
+        return (f"a Python pickle (protocol {proto}), not a Zephon JSON state. Zephon never "
+                "unpickles a checkpoint (unpickling can run arbitrary code)")
+    if data[:4] == b"PK\x03\x04":
+        return ("a zip archive (torch.save's format), not a Zephon JSON state. Load it with "
+                "torch.load(path, weights_only=True) and pass the loader's part to "
+                "load_state_dict()")
+    if data[:4] == b"PAR1":
+        return "a Parquet file, not a Zephon JSON state"
+    return None
+
+
+def check_state_version(state: Mapping[str, Any], where: str = "the state") -> None:
+    """Raises StateError when `state` declares a format this Zephon cannot read."""
+    version = state.get("zephon_state")
+    if version is None:
+        return
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise StateError(f"{where}: 'zephon_state' is {version!r}, not a format number; the file "
+                         "was edited or is not a Zephon state. Restore an earlier checkpoint.")
+    if version > STATE_VERSION:
+        wrote = state.get("zephon_version")
+        to = f" to {wrote} or newer" if isinstance(wrote, str) else ""
+        raise StateError(f"{where} has state format {version}, written by a newer Zephon; this "
+                         f"Zephon ({_zephon_version()}) reads formats up to {STATE_VERSION}. "
+                         f"Upgrade Zephon{to} (pip install -U zephon) to resume from it.")
+
+
+def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Reads a state written by `save_state` (JSON only; nothing is unpickled)."""
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise StateError(f"no loader state at {name}; check the checkpoint directory") from None
+    except IsADirectoryError:
+        raise StateError(f"{name} is a directory, not a loader state; pass the JSON file that "
+                         "save_state() wrote (e.g. ckpt/loader.json).") from None
+    except OSError as e:
+        raise StateError(f"cannot read the loader state {name}: {e}") from e
+    if not data.strip():
+        raise StateError(f"loader state {name} is empty; it was not written by save_state "
+                         "(which never leaves an empty file): restore an earlier checkpoint.")
+    binary = _what_binary(data)
+    if binary is not None:
+        raise StateError(f"{name} is {binary}. Pass the JSON file that zephon.save_state() wrote, "
+                         "or re-save the loader's state with save_state().")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise StateError(f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                         f"{e.start}), so it is not a loader state written by save_state; pass "
+                         "the right file, or restore an earlier checkpoint.") from None
+    try:
+        state = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise StateError(f"loader state {name} is not valid JSON ({e}); the file is corrupt — "
+                         "restore an earlier checkpoint.") from e
+    if not isinstance(state, dict):
+        raise StateError(f"loader state {name} holds a JSON {type(state).__name__}, not an "
+                         "object; pass the file save_state(path, loader.state()) wrote.")
+    check_state_version(state, f"loader state {name}")
+    return state
