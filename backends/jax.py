@@ -30,10 +30,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zephon.errors import PlanError, WorkerError
-from zephon.loader import Loader, LocalBatch
+from zephon.exec.loader import Loader, LocalBatch
 from zephon.plan import Batch
 from zephon.sources.base import RecordSource
-from zephon.transforms import Transform
+from zephon.ops.base import Transform
 
 log = logging.getLogger(__name__)
 

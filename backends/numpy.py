@@ -9,7 +9,7 @@ from typing import Iterator
 
 import numpy as np
 
-from zephon.loader import Loader, LocalBatch
+from zephon.exec.loader import Loader, LocalBatch
 
 
 def emit(batch: LocalBatch) -> dict[str, np.ndarray]:

@@ -46,10 +46,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from zephon.errors import PlanError, StateError
-from zephon.loader import Loader, LocalBatch
+from zephon.exec.loader import Loader, LocalBatch
 from zephon.plan import Batch
 from zephon.sources.base import RecordSource
-from zephon.transforms import Transform
+from zephon.ops.base import Transform
 
 log = logging.getLogger(__name__)
 

@@ -146,7 +146,7 @@ def case_raw_array_record(ds: DataSet, batch: int, group: int, max_seconds: floa
     from array_record.python import array_record_module as ar
 
     from zephon import Source
-    from zephon.loader import steps_refs
+    from zephon.exec.steps import steps_refs
 
     readers = [ar.ArrayRecordReader(p, "readahead_buffer_size:0", file_reader_buffer_size=32768)
                for p in ds.array_record_paths]

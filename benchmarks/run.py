@@ -59,7 +59,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import data  # noqa: E402  (a sibling module, also imported by the case processes)
-from zephon.loader import READ_AHEAD_ROWS  # noqa: E402
+from zephon.exec.steps import READ_AHEAD_ROWS  # noqa: E402
 
 GRAIN_CONFIGS = ["map[i]", "map[i] batch-decode", "iter threads=16", "iter batch-decode threads=4",
                  "mp_prefetch workers={w}", "DataLoader workers={w}"]

@@ -34,10 +34,11 @@ import grain
 import numpy as np
 
 from zephon.errors import DecodeError, PlanError, StateError
-from zephon.loader import Loader, LocalBatch, read_refs
+from zephon.exec.loader import Loader, LocalBatch
+from zephon.exec.steps import read_refs
 from zephon.plan import Batch, Mix, Node, Refs, Repeat, Shuffle, Slice, Source
 from zephon.sources.base import Columns, RecordSource, as_indices
-from zephon.transforms import Transform, record_rng, record_seeds, run_transforms
+from zephon.ops.base import Transform, record_rng, record_seeds, run_transforms
 from zephon.verify import global_fingerprint, run_fingerprints
 
 from zephon.compat.grain_order import (  # noqa: F401 - re-exported; importing registers nodes

@@ -33,7 +33,7 @@ def pipeline():
     x = np.arange(RECORDS * 6, dtype=np.float32).reshape(RECORDS, 3, 2)
     source = ArraySource({"x": x, "label": np.arange(RECORDS, dtype=np.int32) % 10})
     plan = Source(RECORDS).shuffle(11).repeat().lanes(LANES).batch(BATCH)
-    transforms = (Filter(lambda c: c["label"] != 3, batched=True), RandomMap(_jitter))
+    transforms = (Filter(lambda c: c["label"] != 3, batched=True, name="not_label_3"), RandomMap(_jitter))
     return plan, source, transforms
 
 
@@ -63,7 +63,7 @@ def main() -> None:
     from jax.sharding import Mesh
 
     from zephon.backends.jax import JaxLoader
-    from zephon.loader import LocalBatch
+    from zephon.exec.loader import LocalBatch
     from zephon.verify import lane_digests
 
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from zephon import Filter, Source
-from zephon.loader import LocalBatch
+from zephon.exec.loader import LocalBatch
 from zephon.plan import Batch
 from zephon.sources.memory import ArraySource
 from zephon.verify import global_fingerprint, lane_digests

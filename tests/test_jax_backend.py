@@ -121,7 +121,7 @@ def test_data_parallel_degree_changes_no_array(shape, axes, procs, world):
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_restore_mid_run_equals_uninterrupted_on_another_mesh(prefetch):
-    transforms = (Filter(lambda c: c["label"] % 4 != 1, batched=True),)  # per-lane cursors in the state
+    transforms = (Filter(lambda c: c["label"] % 4 != 1, batched=True, name="label_mod4_not_1"),)  # per-lane cursors in the state
     plan, source = make_plan(), make_source()
     ref = reference(plan, source, transforms, steps=7)
     with JaxLoader(plan, source, transforms, mesh=make_mesh((2, 4)), batch_axes=("data", "fsdp"),

@@ -123,7 +123,7 @@ def test_batched_map(src):
 
 
 def test_filter_lanes_carry_state_and_stay_elastic(src):
-    keep = Filter(lambda r: r["id"] % 3 != 0)
+    keep = Filter(lambda r: r["id"] % 3 != 0, name="id_mod3")
     p = plan()
     ref = global_batches(p, src, 12, transforms=[keep])
     for a in ref:
@@ -138,7 +138,7 @@ def test_filter_lanes_carry_state_and_stay_elastic(src):
 
 
 def test_filter_state_saved_at_D2_restores_at_D8(src):
-    keep = Filter(lambda r: r["id"] % 5 < 2)
+    keep = Filter(lambda r: r["id"] % 5 < 2, name="id_mod5")
     p = plan()
     ref = global_batches(p, src, 14, transforms=[keep])
     ranks = [Loader(p, src, [keep], rank=r, world=2) for r in range(2)]
@@ -240,6 +240,6 @@ def test_strided_iteration_equals_random_access(src, read_ahead):
 def test_filter_pass_that_keeps_nothing_is_skipped():
     # records 0..7 fail the filter: the first pass of every lane keeps nothing
     src = ArraySource({"id": np.arange(64, dtype=np.int64)})
-    keep = Filter(lambda c: c["id"] >= 8, batched=True)
+    keep = Filter(lambda c: c["id"] >= 8, batched=True, name="id_ge_8")
     b = next(Loader(Source(64).lanes(2).batch(4), src, [keep]))
     assert b.data["id"].tolist() == [8, 10, 9, 11]

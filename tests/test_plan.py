@@ -89,8 +89,7 @@ def test_mix_counts_and_random_access():
     m = Mix((a, b), (0.75, 0.25))
     r = m.resolve(np.arange(4000))
     assert (r.source == 0).sum() == 3000 and (r.source == 1).sum() == 1000
-    # spread evenly: every window of one period holds the exact proportions
-    assert m.int_weights == (3, 1) and m.period_slots == 4
+    # spread evenly: every window of four positions holds the exact proportions
     assert all((r.source[i:i + 4] == 1).sum() == 1 for i in range(0, 4000, 4))
     pos = np.array([3999, 7, 0, 1234])
     assert np.array_equal(m.resolve(pos).record, r.record[pos])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from zephon import Loader, Map, RandomMap, Source, WorkerError
-from zephon.loader import steps_refs
+from zephon.exec.steps import steps_refs
 from zephon.runners import Inline, Processes, Threads, from_spec, inline, processes, threads
 from zephon.sources import ArrayRecordSource, ArraySource, FixedFields, write_sharded_array_record
 from zephon.verify import lane_digests, step_fingerprint

@@ -26,7 +26,7 @@ from typing import Any
 from zephon.errors import StateError
 
 #: The newest state format this Zephon reads and writes (`"zephon_state"` in every state).
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 _TMP_MARK = ".zephon-tmp-"
 #: A temp file of another host cannot be checked for a live writer; it is stale after this long.

@@ -17,10 +17,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from zephon.loader import Loader, load_state, merge_states, save_state
+from zephon.checkpoint import load_state, save_state
+from zephon.exec.loader import Loader, merge_states
 from zephon.plan import Batch, Node, Source
 from zephon.sources import ArrayRecordSource, FixedFields, write_sharded_array_record
-from zephon.transforms import Filter, Transform
+from zephon.ops import Filter, Transform
 from zephon.verify import first_mismatch, lane_digests, run_fingerprints, step_fingerprint
 
 SPEC = FixedFields({"tokens": ("int32", (32,)), "id": ("int64", ())})
@@ -112,7 +113,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("\n".join(plan.explain_text(0).splitlines()[:5]))
         ok = print_table("1) shuffle + repeat, 8 lanes, global batch 64",
                          matrix(plan, src, args.steps, (), tmp))
-        keep = Filter(lambda r: int(r["tokens"][0]) % 4 != 0)  # a count-changing step: lanes carry cursors
+        keep = Filter(lambda r: int(r["tokens"][0]) % 4 != 0, name="demo.keep_3_of_4")  # a count-changing step: lanes carry cursors
         ok &= print_table("2) same plan + a filter (per-lane cursors carried in the state)",
                           matrix(plan, src, args.steps, (keep,), tmp))
     print("\n" + ("PROVED: the same global batches for D = 1, 2, 4, 8 data-parallel ranks and across "

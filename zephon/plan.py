@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
@@ -109,9 +108,11 @@ class Node:
         return Lanes(self, count, mapping)
 
     @staticmethod
-    def mix(children: Sequence["Node"], weights: Sequence[float] | None = None) -> "Mix":
+    def mix(children: Sequence["Node"], weights: Sequence[float] | None = None,
+            by: Literal["samples", "tokens"] = "samples", count_field: str = "tokens") -> "Mix":
         children = tuple(children)
-        return Mix(children, tuple(weights) if weights is not None else (1.0,) * len(children))
+        return Mix(children, tuple(weights) if weights is not None else (1.0,) * len(children),
+                   by, count_field)
 
     # --- serialisation -----------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -259,83 +260,148 @@ class Repeat(Node):
 
 @dataclass(frozen=True)
 class Mix(Node):
-    """A deterministic weighted interleave.
+    """A deterministic weighted interleave with exact weights and O(1) random access.
 
-    Weights become small integers w_i (rational approximation); a period of sum(w_i) slots holds
-    child i exactly w_i times, spread evenly. The count of child i among the first t positions is
-    then (t // period) * w_i + prefix, so random access stays O(1).
+    The children form a balanced binary tree; at a node whose left side has weight fraction `w`,
+    the first `n` positions send `floor(n·w + 1/2)` to the left, so every prefix of the stream
+    holds each side within half a record of its share, and a position's child and its index
+    in that child follow from a few float operations per tree level (the same IEEE arithmetic
+    on every platform). Weights are used as given (normalised), never rounded to a ratio of
+    small integers, so 0.999/0.001 is 0.999/0.001.
+
+    Directly under `lanes()`, a mix is applied *inside every lane* (each child is dealt into the
+    lanes on its own), so every lane — and every rank at every data-parallel degree — sees the
+    mixture. `by="tokens"` makes the lane engine balance realised token counts instead of record
+    counts (the length of column `count_field` after each child's pipeline); such a mix has no
+    random access by position (its schedule depends on the data) and must sit under `lanes()`.
     """
 
     children: tuple[Node, ...]
     weights: tuple[float, ...]
-
-    MAX_PERIOD: ClassVar[int] = 1 << 16
+    by: Literal["samples", "tokens"] = "samples"
+    count_field: str = "tokens"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.children, tuple):
+            object.__setattr__(self, "children", tuple(self.children))
+        if not isinstance(self.weights, tuple):
+            object.__setattr__(self, "weights", tuple(self.weights))
         if not self.children:
             raise PlanError("Mix needs at least one child")
+        if not all(isinstance(c, Node) for c in self.children):
+            raise PlanError("Mix children must be plan nodes (e.g. Source(n, id=i).repeat())")
         if len(self.weights) != len(self.children):
             raise PlanError(f"Mix has {len(self.children)} children but {len(self.weights)} weights; "
                             "give one weight per child.")
-        w = [float(x) for x in self.weights]
+        try:
+            w = [float(x) for x in self.weights]
+        except (TypeError, ValueError):
+            raise PlanError(f"Mix weights must be numbers, got {list(self.weights)}") from None
         if any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
             raise PlanError(f"Mix weights must be finite, non-negative and sum to a positive number, "
-                            f"got {list(self.weights)}")
-        if self.period_slots > self.MAX_PERIOD:
-            raise PlanError(f"Mix weights {list(self.weights)} need a schedule of {self.period_slots} "
-                            f"slots (> {self.MAX_PERIOD}); round them to simpler ratios.")
+                            f"got {list(self.weights)}; a weight of 0 drops a child, NaN or a "
+                            "negative weight is a mistake.")
+        object.__setattr__(self, "weights", tuple(w))
+        if self.by not in ("samples", "tokens"):
+            raise PlanError(f"Mix.by must be 'samples' or 'tokens', got {self.by!r}")
 
     @functools.cached_property
-    def int_weights(self) -> tuple[int, ...]:
-        fr = [Fraction(float(x)).limit_denominator(1000) for x in self.weights]
-        den = math.lcm(*(f.denominator for f in fr))
-        ints = [int(f * den) for f in fr]
-        g = math.gcd(*ints)
-        return tuple(i // g for i in ints)
-
-    @property
-    def period_slots(self) -> int:
-        return sum(self.int_weights)
+    def normalized(self) -> np.ndarray:
+        w = np.asarray(self.weights, np.float64)
+        return w / w.sum()
 
     @functools.cached_property
-    def _schedule(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-        """(child per slot, occurrence rank per slot, slots of each child)."""
-        w = self.int_weights
-        child = np.concatenate([np.full(wi, i, np.int64) for i, wi in enumerate(w)])
-        rank = np.concatenate([np.arange(wi, dtype=np.int64) for wi in w])
-        ideal = (2 * rank + 1) / (2 * np.asarray(w, np.float64)[child])  # evenly spread
-        order = np.lexsort((child, ideal))
-        child, rank = child[order], rank[order]
-        slots = [np.flatnonzero(child == i) for i in range(len(w))]
-        return child, rank, slots
+    def _tree(self) -> tuple:
+        """Nested (left, right, left fraction) over the children with positive weight."""
+        w = self.normalized
+
+        def build(ids: list[int]) -> Any:
+            if len(ids) == 1:
+                return ids[0]
+            half = len(ids) // 2
+            left, right = ids[:half], ids[half:]
+            total = float(w[ids].sum())
+            return (build(left), build(right), float(w[left].sum()) / total)
+
+        return build([i for i in range(len(w)) if w[i] > 0])
+
+    def route(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(child, index within that child) of mix positions `pos` (vectorised)."""
+        pos = np.asarray(pos, np.int64)
+        child = np.empty_like(pos)
+        inner = np.empty_like(pos)
+
+        def walk(node: Any, idx: np.ndarray, n: np.ndarray) -> None:
+            if not isinstance(node, tuple):
+                child[idx], inner[idx] = node, n
+                return
+            left, right, w = node
+            c0 = np.floor(n * w + 0.5).astype(np.int64)
+            c1 = np.floor((n + 1) * w + 0.5).astype(np.int64)
+            go_left = c1 > c0
+            walk(left, idx[go_left], c0[go_left])
+            walk(right, idx[~go_left], (n - c0)[~go_left])
+
+        walk(self._tree, np.arange(len(pos)), pos)
+        return child, inner
+
+    def counts(self, n: int) -> np.ndarray:
+        """How many of the first `n` positions go to each child (exact, O(children))."""
+        out = np.zeros(len(self.children), np.int64)
+
+        def walk(node: Any, m: int) -> None:
+            if not isinstance(node, tuple):
+                out[node] = m
+                return
+            left, right, w = node
+            c = int(np.floor(np.float64(m) * w + 0.5))
+            walk(left, c)
+            walk(right, m - c)
+
+        walk(self._tree, int(n))
+        return out
+
+    def length_for(self, sizes: Sequence[int | None]) -> int | None:
+        """Positions until the first child of size `sizes[i]` (None: infinite) runs out."""
+        ends = []
+        for i, n in enumerate(sizes):
+            if n is None or self.normalized[i] == 0:
+                continue
+            lo, hi = 0, max(2, int(2 * (n + 1) / self.normalized[i]) + 2)
+            while lo < hi:  # first m with counts(m)[i] > n: the stream holds m - 1 positions
+                mid = (lo + hi) // 2
+                if self.counts(mid)[i] > n:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            ends.append(lo - 1)
+        return min(ends) if ends else None
 
     @property
     def length(self) -> int | None:
-        w = self.int_weights
-        P = self.period_slots
-        _, _, slots = self._schedule
-        ends = []
-        for i, c in enumerate(self.children):
-            n = c.length
-            if n is not None and w[i] > 0:
-                q, r = divmod(n, w[i])  # position of child i's n-th (0-based) occurrence
-                ends.append(q * P + int(slots[i][r]))
-        return min(ends) if ends else None
+        if self.by == "tokens":
+            return None
+        return self.length_for([c.length for c in self.children])
 
     def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
-        child_of, rank_of, _ = self._schedule
-        q, s = np.divmod(pos, self.period_slots)
-        which = child_of[s]
-        inner = q * np.asarray(self.int_weights, np.int64)[which] + rank_of[s]
-        src = np.empty_like(pos)
-        rec = np.empty_like(pos)
-        ep = np.empty_like(pos)
-        for i, c in enumerate(self.children):
-            m = np.flatnonzero(which == i)
-            if m.size:
-                r = c._resolve(inner[m], epoch[m])
-                src[m], rec[m], ep[m] = r.source, r.record, r.epoch
-        return Refs(src, rec, ep)
+        if self.by == "tokens":
+            raise PlanError("a Mix by tokens has no order by position (its schedule depends on "
+                            "token counts); put it directly under .lanes(L) and read it with a Loader.")
+        which, inner = self.route(pos)
+        return _gather_children(self.children, which, inner, epoch)
+
+
+def _gather_children(children: Sequence[Node], which: np.ndarray, inner: np.ndarray,
+                     epoch: np.ndarray) -> Refs:
+    src = np.empty_like(inner)
+    rec = np.empty_like(inner)
+    ep = np.empty_like(inner)
+    for i, c in enumerate(children):
+        m = np.flatnonzero(which == i)
+        if m.size:
+            r = c._resolve(inner[m], epoch[m])
+            src[m], rec[m], ep[m] = r.source, r.record, r.epoch
+    return Refs(src, rec, ep)
 
 
 @dataclass(frozen=True)
@@ -399,26 +465,75 @@ class Lanes(Node):
         _check_int("Lanes.count", self.count, 1)
         if self.mapping not in ("contiguous", "interleaved"):
             raise PlanError(f"Lanes.mapping must be 'contiguous' or 'interleaved', got {self.mapping!r}")
-        n = self.child.length
+        n = self.child.length if not isinstance(self.child, Mix) else min(
+            (c.length for c in self.child.children if c.length is not None), default=None)
         if n is not None and n < self.count:
             raise PlanError(f"{self.count} lanes over a stream of {n} positions leave lanes empty; "
                             "use fewer lanes or repeat the data.")
 
     @property
     def length(self) -> int | None:
+        if self.mixed:
+            n = self.lane_length()
+            return None if n is None else n * self.count
         return self.child.length
 
+    @property
+    def mixed(self) -> bool:
+        """Whether the child is a Mix, applied inside every lane."""
+        return isinstance(self.child, Mix)
+
+    @property
+    def branches(self) -> tuple[Node, ...]:
+        """Streams the lane engine reads separately: a token Mix's children, else the child."""
+        if isinstance(self.child, Mix) and self.child.by == "tokens":
+            return self.child.children
+        return (self.child,)
+
     def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
+        if self.mixed:
+            lane, index = np.divmod(pos, self.count)[::-1]
+            return self.resolve_lanes(lane, index)
         return self.child._resolve(pos, epoch)
 
     def lane_length(self) -> int | None:
         """Inputs every lane has (the shortest lane's count); None if infinite."""
+        if isinstance(self.child, Mix):
+            if self.child.by == "tokens":
+                return None
+            return self.child.length_for([None if c.length is None else c.length // self.count
+                                          for c in self.child.children])
         n = self.child.length
+        return None if n is None else n // self.count
+
+    def branch_length(self, branch: int) -> int | None:
+        """Inputs every lane has of branch `branch` (see `branches`)."""
+        if len(self.branches) == 1:
+            return self.lane_length()
+        n = self.branches[branch].length
         return None if n is None else n // self.count
 
     def stream_positions(self, lanes: np.ndarray, index: np.ndarray) -> np.ndarray:
         """Stream position of input `index` of lane `lanes` (broadcast)."""
         return np.asarray(index, np.int64) * self.count + np.asarray(lanes, np.int64)
+
+    def resolve_lanes(self, lanes: np.ndarray, index: np.ndarray, branch: int = 0) -> Refs:
+        """Record references of input `index` of lane `lanes` (of `branch`; broadcast)."""
+        lanes = np.asarray(lanes, np.int64)
+        index = np.asarray(index, np.int64)
+        lanes, index = np.broadcast_arrays(lanes, index)
+        if len(self.branches) > 1:
+            return self.branches[branch].resolve(self.stream_positions(lanes, index))
+        if isinstance(self.child, Mix):
+            which, inner = self.child.route(index)
+            pos = self.stream_positions(lanes, inner)
+            for i, c in enumerate(self.child.children):
+                n = c.length
+                m = which == i
+                if n is not None and m.any() and pos[m].max() >= n:
+                    raise PlanError(f"input {int(index[m].max())} of a lane is past the end of the mix")
+            return _gather_children(self.child.children, which, pos, np.zeros_like(pos))
+        return self.resolve(self.stream_positions(lanes, index))
 
     def owned(self, rank: int, world: int) -> np.ndarray:
         """The lanes data-parallel rank `rank` of `world` owns, in global lane order."""
@@ -498,7 +613,7 @@ class Batch(Node):
         if n is not None and step >= n:
             raise PlanError(f"step {step} is past the end of the plan ({n} global batches)")
         lane, index = self.rows(step, lanes)
-        return self.child.resolve(self.child.stream_positions(lane, index))
+        return self.child.resolve_lanes(lane, index)
 
     def explain(self, step: int) -> list[dict[str, int]]:
         """For every row of global batch `step`: row, lane, source, record, epoch."""

@@ -14,7 +14,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from zephon.loader import LocalBatch
+from zephon.exec.loader import LocalBatch
 from zephon.sources.base import Columns
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import SourceError
 from .base import Columns, as_indices
+from .files import FileStamp, changed, check_unchanged, stamp
 from .paths import Paths, expand_paths, shard_name
 from .spec import RawBytes, RecordSpec
 
@@ -81,11 +82,16 @@ class ArrayRecordSource:
 
     Readers are opened lazily and are never pickled, and a forked child opens its own, so the
     source can be shipped to worker processes as is.
+
+    Each shard's identity (inode, size, mtime) is recorded here and checked after every read and
+    on every read error: ArrayRecord's reader returns empty records from a file rewritten under
+    it, so a changed file is a `SourceError` naming it, never silently wrong records.
     """
 
     def __init__(self, paths: Paths, spec: RecordSpec | None = None,
                  reader_options: str = RANDOM_ACCESS_OPTIONS) -> None:
         self.paths = expand_paths(paths, "ArrayRecordSource")
+        self._stamps: list[FileStamp] = [stamp(p, "ArrayRecordSource") for p in self.paths]
         self.spec: RecordSpec = spec if spec is not None else RawBytes()
         self.reader_options = reader_options
         with ThreadPoolExecutor(min(16, len(self.paths))) as pool:  # opening reads each footer
@@ -127,6 +133,9 @@ class ArrayRecordSource:
             with self._lock:
                 reader = self._readers[shard]
                 if reader is None:
+                    err = changed(self.paths[shard], self._stamps[shard], "ArrayRecordSource")
+                    if err is not None:
+                        raise err
                     reader = _open_reader(self.paths[shard], self.reader_options)
                     self._readers[shard] = reader
         return reader
@@ -138,10 +147,14 @@ class ArrayRecordSource:
         order = np.argsort(shard, kind="stable")
         cuts = np.flatnonzero(np.diff(shard[order])) + 1
         records = np.empty(len(idx), dtype=object)
+        touched = []
         for positions in np.split(order, cuts) if idx.size else ():
             s = int(shard[positions[0]])
+            touched.append(s)
             got = self._read_shard(s, local[positions], idx[positions])
             records[positions] = np.fromiter(got, dtype=object, count=len(positions))
+        # Once per read, after it: the records above come from the files the source opened.
+        check_unchanged(self.paths, self._stamps, touched, "ArrayRecordSource")
 
         def locate(i: int) -> str:
             return (f"{self.paths[int(shard[i])]}: record {int(idx[i])} (record {int(local[i])} "
@@ -154,6 +167,9 @@ class ArrayRecordSource:
         try:
             return reader.read(local.tolist())
         except RuntimeError as e:
+            err = changed(self.paths[shard], self._stamps[shard], "ArrayRecordSource")
+            if err is not None:  # not corrupt: rewritten under us
+                raise err from e
             failed = self._first_failing(reader, local, global_idx)
             raise SourceError(f"{self.paths[shard]}: reading {failed} failed: {e}. The file is "
                               "corrupt; rewrite it (or restore it from the original).") from e

@@ -2,6 +2,12 @@
 
 Construction scans each file once for newlines (numpy over fixed-size chunks, so memory stays
 bounded) and keeps each record's byte span; a read fetches only the requested lines.
+
+JSON has no schema, so the source fixes one at construction — given as `schema=`, or inferred
+from the first lines — and holds every line it reads to it: a field whose type drifts (an int in
+one line, a string in another), a missing field or an unknown one is a `DecodeError` naming the
+file, the line and the field. That is what keeps a column's dtype independent of which lines a
+read touched, and so of the number of ranks.
 """
 
 from __future__ import annotations
@@ -10,19 +16,95 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
 
 from ..errors import DecodeError, SourceError
 from .base import Columns, as_indices
+from .files import FileStamp, changed, check_unchanged, stamp
 from .paths import Paths, expand_paths
-from .spec import rows_to_columns
+from .spec import _objects, flatten_dict, stack_values
 
 log = logging.getLogger(__name__)
 
 _SCAN_CHUNK = 16 << 20
+
+#: Field types of a JSONL schema. "float" accepts JSON integers too (1 for 1.0); "list" accepts
+#: any list; "any" accepts anything, null included, and always gives an object column.
+KINDS = ("int", "float", "bool", "str", "list[int]", "list[float]", "list[bool]", "list[str]",
+         "list", "any")
+#: Lines the schema is inferred from when none is given.
+INFER_RECORDS = 100
+
+_SCALAR = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+def _is_float(x: Any) -> bool:
+    return type(x) is float or type(x) is int
+
+
+_ELEMENT: dict[str, Callable[[Any], bool]] = {
+    "int": lambda x: type(x) is int,
+    "float": _is_float,
+    "bool": lambda x: type(x) is bool,
+    "str": lambda x: type(x) is str,
+}
+
+
+def _checker(kind: str) -> Callable[[Any], bool]:
+    if kind in _ELEMENT:
+        return _ELEMENT[kind]
+    if kind == "list":
+        return lambda v: type(v) is list
+    if kind.startswith("list["):
+        ok = _ELEMENT[kind[5:-1]]
+        return lambda v: type(v) is list and all(map(ok, v))
+    return lambda v: True  # any
+
+
+def _kind_of(value: Any) -> str:
+    """The narrowest schema kind of one JSON value ("null", "list[]" for an empty list)."""
+    if value is None:
+        return "null"
+    scalar = _SCALAR.get(type(value))
+    if scalar is not None:
+        return scalar
+    if type(value) is list:
+        elements = {_SCALAR.get(type(x), "other") for x in value}
+        if not elements:
+            return "list[]"
+        if elements == {"int", "float"}:
+            return "list[float]"
+        if len(elements) == 1 and "other" not in elements:
+            return f"list[{elements.pop()}]"
+        return "list"
+    return "an object" if isinstance(value, dict) else "any"
+
+
+def _merge(a: str, b: str) -> str | None:
+    """The kind that holds both, or None when they conflict (a drift in the inferred lines)."""
+    if a == b:
+        return a
+    if {a, b} == {"int", "float"}:
+        return "float"
+    if a.startswith("list") and b.startswith("list"):
+        if "list[]" in (a, b):
+            return b if a == "list[]" else a
+        if {a, b} == {"list[int]", "list[float]"}:
+            return "list[float]"
+        if "list" in (a, b):
+            return "list"
+    return None
+
+
+def _hint(field: str, kinds: Collection[str]) -> str:
+    if "null" in kinds:
+        return (f"fill the nulls when writing the file, or pass schema={{{field!r}: 'any'}} to get "
+                "the field as an object column")
+    return (f"fix the data, or pass schema={{{field!r}: 'any'}} (an object column) or the one "
+            "type you want")
 
 
 def _line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -42,16 +124,48 @@ def _line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
     return starts[keep], ends[keep]
 
 
+def _foreign(path: str) -> str:
+    """' It looks like <format>, not JSON Lines.' for a binary file, else ''."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return ""
+    if head.startswith(b"PAR1"):
+        what = "a Parquet file (use ParquetSource)"
+    elif head.startswith(b"PK\x03\x04"):
+        what = "a zip archive"
+    elif head.startswith(b"\x1f\x8b"):
+        what = "a gzip file (decompress it first)"
+    elif head.startswith(b"\x28\xb5\x2f\xfd"):
+        what = "a zstd file (decompress it first)"
+    elif b"\0" in head:
+        what = "a binary file (an ArrayRecord file? use ArrayRecordSource)"
+    else:
+        return ""
+    return f" It looks like {what}, not JSON Lines."
+
+
 class JsonlSource:
     """One JSON object per line; files are concatenated in order into one record numbering.
 
-    JSON has no schema, so a list field stacks to a 2-D array when the rows of a read agree in
-    length; name variable-length fields in `ragged` to get object arrays in every read (see
-    `rows_to_columns`).
+    `schema` maps each field (nested keys joined with "/") to one of `KINDS`; without it, the
+    schema is inferred from the first `infer_records` lines (and the first line of every other
+    file is checked against it at construction). `src.schema` shows it: pass it back as
+    `schema=` to pin it. Every line read must have exactly the schema's fields with values of
+    their kinds. Columns: int -> int64, float -> float64, bool -> bool, str/any -> object;
+    lists stack to a 2-D array when the rows of a read agree in length — name variable-length
+    fields in `ragged` to get object arrays in every read.
+
+    Each file's identity (inode, size, mtime) is checked after every read: a file rewritten
+    under a running job is a `SourceError` naming it.
     """
 
-    def __init__(self, paths: Paths, ragged: Collection[str] = ()) -> None:
+    def __init__(self, paths: Paths, ragged: Collection[str] = (), *,
+                 schema: Mapping[str, str] | None = None,
+                 infer_records: int = INFER_RECORDS) -> None:
         self.paths = expand_paths(paths, "JsonlSource")
+        self._stamps: list[FileStamp] = [stamp(p, "JsonlSource") for p in self.paths]
         self.ragged = frozenset(ragged)
         spans = [_line_spans(p) for p in self.paths]
         self._file_ends = np.cumsum([len(s) for s, _ in spans])
@@ -59,9 +173,139 @@ class JsonlSource:
         self._ends = np.concatenate([e for _, e in spans])
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
-        log.debug("%r: %d records", self, len(self))
         self._what = repr(self)  # as_indices names the source; repr is too slow per read
+        if schema is not None:
+            self.schema = self._validate_schema(schema)
+            self._schema_origin = "the schema given to JsonlSource"
+        else:
+            if isinstance(infer_records, bool) or not isinstance(infer_records, int) \
+                    or infer_records < 1:
+                raise ValueError(f"JsonlSource: infer_records must be a positive integer, got "
+                                 f"{infer_records!r}")
+            self.schema = self._infer(infer_records)
+        self._compile()
+        unknown = sorted(self.ragged - set(self.schema))
+        if unknown:
+            raise ValueError(f"JsonlSource: ragged names {unknown}, which are not fields of the "
+                             f"records (they have {sorted(self.schema)}); fix `ragged`.")
+        if schema is None:  # fail at construction on a file that does not fit, not at step N
+            firsts = [int(e) - len(s) for (s, _), e in zip(spans, self._file_ends) if len(s)]
+            for record in firsts:
+                if record >= infer_records:
+                    try:
+                        row = self._parse(record)
+                    except DecodeError:
+                        continue  # one bad line: reported when it is read
+                    self._check(record, row)
+        self._close_fds()
+        log.debug("%r: %d records, schema %s", self, len(self), self.schema)
 
+    # --- schema --------------------------------------------------------------------------------
+    @staticmethod
+    def _validate_schema(schema: Mapping[str, str]) -> dict[str, str]:
+        if not isinstance(schema, Mapping) or not schema:
+            raise ValueError("JsonlSource: schema must be a non-empty dict of field -> type, e.g. "
+                             "{'text': 'str', 'label': 'int'}; types: " + ", ".join(KINDS))
+        bad = {k: v for k, v in schema.items() if not isinstance(k, str) or v not in KINDS}
+        if bad:
+            raise ValueError(f"JsonlSource: schema entries {bad} are not field name -> one of "
+                             f"{list(KINDS)} (nested fields are named 'outer/inner').")
+        return dict(schema)
+
+    def _infer(self, count: int) -> dict[str, str]:
+        """Fields of the first line that parses; kinds of the first `count` lines, widened where
+        they agree (int and float -> float). Lines that disagree with the first (another type,
+        other fields, a null) are logged here and raise when read; lines that do not parse are
+        left for `read` to report."""
+        kinds: dict[str, str] = {}
+        first_seen: dict[str, int] = {}
+        keys: tuple[str, ...] | None = None
+        first_record, problem = -1, ""
+        odd: list[str] = []
+        window = min(count, len(self))
+        for record in range(window):
+            try:
+                row = self._parse(record)
+            except DecodeError as e:
+                problem = problem or str(e)
+                continue
+            flat = flatten_dict(row)
+            if keys is None:
+                keys, first_record = tuple(flat), record
+            elif set(flat) != set(keys):
+                odd.append(f"{self._where(record)} has fields {sorted(flat)}, not {sorted(keys)}")
+            for name, value in flat.items():
+                if name not in keys:
+                    continue
+                kind = _kind_of(value)
+                if kind == "null":
+                    odd.append(f"{self._where(record)}: field {name!r} is null")
+                    continue
+                merged = _merge(kinds[name], kind) if name in kinds else kind
+                if merged is None:
+                    odd.append(f"{self._where(record)}: field {name!r} is {kind} but "
+                               f"{self._where(first_seen[name])} has it {kinds[name]}")
+                    continue
+                first_seen.setdefault(name, record)
+                kinds[name] = merged
+        if keys is None:
+            if not len(self):
+                self._schema_origin = "an empty file set"
+                return {}
+            raise DecodeError(f"{self.paths[0]}: none of the first {window} lines is a JSON "
+                              f"object, so the records' fields cannot be inferred ({problem})."
+                              f"{_foreign(self.paths[0])} Pass JSON Lines files.")
+        self._schema_origin = (f"the schema inferred from {self._where(first_record)} .. line "
+                               f"{self._line_number(window - 1)}")
+        schema = {}
+        for name in keys:
+            kind = kinds.get(name, "any")  # null in every inferred line: no type to check
+            schema[name] = "list" if kind == "list[]" else kind
+        if odd:
+            log.warning("JsonlSource: the first %d lines disagree (%s%s); reading those lines "
+                        "will raise. Inferred schema: %s. Fix the data or pass schema=.", window,
+                        "; ".join(odd[:3]), f"; and {len(odd) - 3} more" if len(odd) > 3 else "",
+                        schema)
+        return schema
+
+    def _compile(self) -> None:
+        self._keys = frozenset(self.schema)
+        self._nested = any("/" in k for k in self.schema)
+        self._checks = [(k, kind, _checker(kind)) for k, kind in self.schema.items() if kind != "any"]
+
+    def _fields_error(self, record: int, flat: Mapping[str, Any], schema: Mapping[str, str],
+                      origin: str) -> DecodeError:
+        missing = sorted(set(schema) - set(flat))
+        extra = sorted(set(flat) - set(schema))
+        parts = []
+        if missing:
+            parts.append(f"field {missing[0]!r} is missing" if len(missing) == 1
+                         else f"fields {missing} are missing")
+        if extra:
+            parts.append(f"field {extra[0]!r} is not in the schema" if len(extra) == 1
+                         else f"fields {extra} are not in the schema")
+        return DecodeError(
+            f"{self._where(record)}: {' and '.join(parts)} (the line has fields {sorted(flat)}; "
+            f"{origin} has {sorted(schema)}). Every line must have the same fields: fix that "
+            "line, or write the field in every line (a null needs schema type 'any').")
+
+    def _check(self, record: int, row: dict[str, Any]) -> dict[str, Any]:
+        flat = flatten_dict(row) if self._nested else row
+        if flat.keys() != self._keys:
+            raise self._fields_error(record, flat, self.schema, self._schema_origin)
+        for name, kind, ok in self._checks:
+            value = flat[name]
+            if not ok(value):
+                got = _kind_of(value)
+                got = "an empty list" if got == "list[]" else got
+                raise DecodeError(
+                    f"{self._where(record)}: field {name!r} is {got} ({_short(value)}) but "
+                    f"{self._schema_origin} says {kind}. A field must keep one type in every "
+                    f"line, or a column's dtype would depend on which lines a read touched; "
+                    f"{_hint(name, (got,))}.")
+        return flat
+
+    # --- files ---------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._starts)
 
@@ -71,17 +315,23 @@ class JsonlSource:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_fds"], state["_lock"]
+        for key in ("_fds", "_lock", "_checks"):
+            del state[key]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fds = {}
         self._lock = threading.Lock()
+        self._compile()
+
+    def _close_fds(self) -> None:
+        fds, self._fds = getattr(self, "_fds", {}), {}
+        for fd in fds.values():
+            os.close(fd)
 
     def __del__(self) -> None:
-        for fd in getattr(self, "_fds", {}).values():
-            os.close(fd)
+        self._close_fds()
 
     def _fd(self, file: int) -> int:
         """One descriptor per file, shared by threads: pread has no file position to race on."""
@@ -90,6 +340,9 @@ class JsonlSource:
             with self._lock:
                 fd = self._fds.get(file)
                 if fd is None:
+                    err = changed(self.paths[file], self._stamps[file], "JsonlSource")
+                    if err is not None:  # never read another version of the file
+                        raise err
                     fd = self._fds[file] = os.open(self.paths[file], os.O_RDONLY)
         return fd
 
@@ -98,31 +351,77 @@ class JsonlSource:
 
     def _line_number(self, record: int) -> int:
         """1-based line number in its file (error path only: it rescans the file's prefix)."""
+        remaining, count = int(self._starts[record]), 1
         with open(self.paths[self._file_of(record)], "rb") as f:
-            return f.read(int(self._starts[record])).count(b"\n") + 1
+            while remaining > 0:
+                chunk = f.read(min(remaining, _SCAN_CHUNK))
+                if not chunk:
+                    break
+                count += chunk.count(b"\n")
+                remaining -= len(chunk)
+        return count
 
     def _where(self, record: int) -> str:
         path = self.paths[self._file_of(record)]
         return f"{path}: line {self._line_number(record)} (record {record})"
 
+    def _parse(self, record: int, file: int | None = None) -> dict[str, Any]:
+        file = self._file_of(record) if file is None else file
+        start, end = int(self._starts[record]), int(self._ends[record])
+        line = os.pread(self._fd(file), end - start, start)
+        if len(line) != end - start:
+            err = changed(self.paths[file], self._stamps[file], "JsonlSource")
+            raise SourceError(f"{self._where(record)}: file is shorter than when it was "
+                              "indexed; it changed after the source was built. Rebuild the "
+                              "source after the file is complete.") from err
+        try:
+            row = json.loads(line)
+        except UnicodeDecodeError as e:
+            raise DecodeError(f"{self._where(record)}: not UTF-8 text (byte 0x{line[e.start]:02x} "
+                              f"at column {e.start + 1}); JSON Lines files must be UTF-8. "
+                              "Re-encode the file (e.g. iconv -f latin1 -t utf-8)."
+                              f"{_foreign(self.paths[file])}") from None
+        except ValueError as e:  # JSONDecodeError
+            raise DecodeError(f"{self._where(record)}: not valid JSON ({e}). Fix or remove "
+                              f"that line.{_foreign(self.paths[file])}") from e
+        if not isinstance(row, dict):
+            raise DecodeError(f"{self._where(record)}: is a JSON {type(row).__name__}, but "
+                              "each line must be a JSON object (field name -> value).")
+        return row
+
+    # --- reading -------------------------------------------------------------------------------
     def read(self, indices: np.ndarray) -> Columns:
         idx = as_indices(indices, len(self), self._what)
         files = np.searchsorted(self._file_ends, idx, side="right").tolist()
-        rows = []
-        for record, file, start, end in zip(idx.tolist(), files, self._starts[idx].tolist(),
-                                            self._ends[idx].tolist()):
-            line = os.pread(self._fd(file), end - start, start)
-            if len(line) != end - start:
-                raise SourceError(f"{self._where(record)}: file is shorter than when it was "
-                                  "indexed; it changed after the source was built. Rebuild the "
-                                  "source after the file is complete.")
+        rows = [self._check(record, self._parse(record, file))
+                for record, file in zip(idx.tolist(), files)]
+        # Once per read, after it: the lines above come from the files the source indexed.
+        check_unchanged(self.paths, self._stamps, sorted(set(files)), "JsonlSource")
+        return {name: self._column(name, kind, [row[name] for row in rows], idx)
+                for name, kind in self.schema.items()}
+
+    def _column(self, name: str, kind: str, values: list[Any], idx: np.ndarray) -> np.ndarray:
+        if not values:
+            return np.empty(0, dtype={"int": np.int64, "float": np.float64,
+                                      "bool": np.bool_}.get(kind, object))
+        if kind in ("str", "any") or name in self.ragged:
+            return _objects(values)
+        if kind in ("int", "float", "bool"):
+            dtype = {"int": np.int64, "float": np.float64, "bool": np.bool_}[kind]
             try:
-                row = json.loads(line)
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-                raise DecodeError(f"{self._where(record)}: not valid JSON ({e}). Fix or remove "
-                                  "that line.") from e
-            if not isinstance(row, dict):
-                raise DecodeError(f"{self._where(record)}: is a JSON {type(row).__name__}, but "
-                                  "each line must be a JSON object (field name -> value).")
-            rows.append(row)
-        return rows_to_columns(rows, lambda i: self._where(int(idx[i])), self.ragged)
+                return np.array(values, dtype=dtype)
+            except OverflowError:
+                bad = next(i for i, v in enumerate(values) if not -2**63 <= v < 2**63)
+                raise DecodeError(f"{self._where(int(idx[bad]))}: field {name!r} is {values[bad]}, "
+                                  "beyond int64; store it as a string, or pass "
+                                  f"schema={{{name!r}: 'any'}}.") from None
+        arr = stack_values(values)
+        if arr.dtype != object and kind in ("list[int]", "list[float]", "list[bool]"):
+            arr = arr.astype({"list[int]": np.int64, "list[float]": np.float64,
+                              "list[bool]": np.bool_}[kind], copy=False)
+        return arr
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:37] + "..."

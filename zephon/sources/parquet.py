@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import DecodeError, SourceError
 from .base import Columns, as_indices
+from .files import FileStamp, changed, check_unchanged, stamp
 from .paths import Paths, expand_paths
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,20 @@ class ParquetSource:
 
     `decode_threads` (default: up to 4, at most the CPUs available) decode the row groups of one
     read in parallel; 1 decodes them in the calling thread.
+
+    Integrity: page checksums (CRC32, written by `write_parquet` and by any writer with
+    `write_page_checksum=True`) are verified on every read, so a flipped bit in a data or
+    dictionary page is a `SourceError` naming the file and row group. Files are read, never
+    memory-mapped (a mapped file truncated by another process kills the reader with SIGBUS),
+    and each file's identity (inode, size, mtime) is checked after every read: a file rewritten
+    under a running job is a `SourceError`, never rows mixed from two versions.
     """
 
     def __init__(self, paths: Paths, columns: Sequence[str] | None = None, *,
                  list_lengths: Mapping[str, int] | None = None, cache_row_groups: int = 4,
                  decode_threads: int | None = None) -> None:
         self.paths = expand_paths(paths, "ParquetSource")
+        self._stamps: list[FileStamp] = [stamp(p, "ParquetSource") for p in self.paths]
         self.list_lengths = dict(list_lengths or {})
         self.cache_row_groups = cache_row_groups
         self.decode_threads = decode_threads if decode_threads is not None else min(4, _cores())
@@ -86,14 +95,17 @@ class ParquetSource:
         import pyarrow.parquet as pq
 
         try:
-            return pq.ParquetFile(path, memory_map=True)
-        except (OSError, pa.ArrowException) as e:
+            # Not memory-mapped: a mapped file that another process truncates raises SIGBUS,
+            # which kills the training process; reads through the file descriptor fail cleanly.
+            return pq.ParquetFile(path, memory_map=False, page_checksum_verification=True)
+        except (OSError, pa.ArrowException, ValueError) as e:  # ValueError: a damaged footer's
+            # column names are not UTF-8
             raise SourceError(f"Parquet file {path!r} cannot be opened: {e}. It is truncated, "
                               "corrupt or not Parquet; rewrite it before reading.") from e
 
     def _reset(self) -> None:
         # A ParquetFile is not safe to read from two threads, so each thread opens its own
-        # (opening a memory-mapped file reads only its footer).
+        # (opening a file reads only its footer).
         self._local = threading.local()
         self._cache: OrderedDict[int, Columns] = OrderedDict()
         self._cache_lock = threading.Lock()
@@ -113,6 +125,9 @@ class ParquetSource:
         if files is None:
             files = self._local.files = [None] * len(self.paths)
         if files[index] is None:
+            err = changed(self.paths[index], self._stamps[index], "ParquetSource")
+            if err is not None:  # never read the footer of another version of the file
+                raise err
             files[index] = self._open(self.paths[index])
         return files[index]
 
@@ -153,6 +168,9 @@ class ParquetSource:
                 if name not in out:
                     out[name] = np.empty((len(idx), *values.shape[1:]), dtype=values.dtype)
                 out[name][pos] = values[row[pos]]
+        # Once per read: the rows above come from the files as they were when the source opened.
+        check_unchanged(self.paths, self._stamps,
+                        np.unique(self._group_file[groups]).tolist(), "ParquetSource")
         return out
 
     def _decode_all(self, groups: list[int]) -> Iterator[Columns]:
@@ -187,9 +205,14 @@ class ParquetSource:
         try:
             table = self._file(file).read_row_group(local, columns=self.columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:
+            err = changed(path, self._stamps[file], "ParquetSource")
+            if err is not None:  # not corrupt: rewritten under us
+                raise err from e
             raise SourceError(f"{path}: row group {local} (records {first}.."
-                              f"{int(self._group_ends[group]) - 1}) cannot be read: {e}. The "
-                              "file is corrupt or truncated; rewrite it.") from e
+                              f"{int(self._group_ends[group]) - 1}) cannot be read: "
+                              f"{str(e).strip().rstrip('.')}. The file is corrupt or truncated "
+                              "(a failed page checksum means bits changed on disk or in "
+                              "transfer); rewrite it, or restore it from the original.") from e
         decoded = self._convert(table, lambda i: f"{path}: record {first + i} (row {i} of row "
                                                  f"group {local})")
         with self._cache_lock:
@@ -268,7 +291,11 @@ def _require_no_nulls(name: str, arr: Any, locate: Callable[[int], str]) -> None
 def write_parquet(path: str | os.PathLike[str], columns: Mapping[str, np.ndarray],
                   row_group_size: int) -> None:
     """Writes equal-length arrays as one Parquet file; N-D numeric arrays become fixed-size lists
-    (so they read back N-D), object arrays become strings, binary or variable lists."""
+    (so they read back N-D), object arrays become strings, binary or variable lists.
+
+    Every page carries a CRC32 checksum (`write_page_checksum`), which `ParquetSource` verifies,
+    so damage on disk or in transfer is an error instead of wrong data.
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -278,11 +305,17 @@ def write_parquet(path: str | os.PathLike[str], columns: Mapping[str, np.ndarray
         raise ValueError(f"write_parquet: columns have different lengths {lengths}")
     table = {}
     for name, value in arrays.items():
-        if value.dtype == object:
-            table[name] = pa.array(list(value))
-            continue
-        arrow = pa.array(value.reshape(-1))
-        for size in reversed(value.shape[1:]):
-            arrow = pa.FixedSizeListArray.from_arrays(arrow, size)
+        try:
+            if value.dtype == object:
+                table[name] = pa.array(list(value))
+                continue
+            arrow = pa.array(value.reshape(-1))
+            for size in reversed(value.shape[1:]):
+                arrow = pa.FixedSizeListArray.from_arrays(arrow, size)
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise ValueError(f"write_parquet {os.fspath(path)!r}: column {name!r} ({value.dtype}, "
+                             f"shape {value.shape}) cannot be stored in Parquet: {e}. Give it one "
+                             "type: numbers, str, bytes, or lists of numbers.") from None
         table[name] = arrow
-    pq.write_table(pa.table(table), os.fspath(path), row_group_size=row_group_size)
+    pq.write_table(pa.table(table), os.fspath(path), row_group_size=row_group_size,
+                   write_page_checksum=True)

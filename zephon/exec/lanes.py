@@ -1,0 +1,598 @@
+"""The lane engine: count-changing pipelines, run in parallel, assembled in lane order.
+
+Every lane is an independent sequential stream. The engine splits the work on it in two:
+
+1. **Windows (parallel).** Inputs `[start + w·C, start + (w+1)·C)` of every owned lane, for
+   w = 0, 1, ..., are resolved by the algebra, read with one vectorised read per source, and put
+   through the row operators (decode, map, filter, tokenize...). Row operators carry nothing, so a
+   window is a pure function of `(branch, w)`: any runner (threads, processes) computes windows
+   ahead, in any worker, and the result cannot depend on which.
+2. **Assembly (sequential, cheap).** In the consumer, each lane takes its next outputs from the
+   windows in order: `B/L` rows a step, through a token-aware mix schedule and an accumulator
+   (packing) if the pipeline has them. Only this part carries state, and the state is positions:
+   per branch the lane's next input and how many of its outputs were used (`cursor`, `skip`),
+   the mix counters, and the accumulator's carry with the inputs it holds named by position.
+
+So the data a lane emits depends on the plan and the lane only: not on the runner, the window
+size, the number of lanes a rank owns, or where a run was stopped. A restore re-reads the few
+inputs the carries hold (`rematerialize`) and starts windows at the saved cursors: its cost is
+O(lanes × carry), whatever the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from zephon.errors import PlanError, StateError
+from zephon.exec.steps import read_refs
+from zephon.ops.base import Accumulator, Transform, run_transforms, sub_index
+from zephon.plan import Batch, Lanes, Mix, Refs
+from zephon.sources.base import Columns, RecordSource
+
+log = logging.getLogger(__name__)
+
+
+# --- lane state ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaneState:
+    """Where a lane stands: per branch its next input (`cursor`) and how many outputs of that
+    input it already used (`skip`), the mix counters, the inputs an accumulator holds (as
+    `[branch, input, output]` positions) and the accumulator's JSON carry."""
+
+    cursor: tuple[int, ...]
+    skip: tuple[int, ...] = ()
+    mix: tuple[int, ...] = ()
+    held: tuple[tuple[int, int, int], ...] = ()
+    carry: Any = None
+
+    @staticmethod
+    def start(branches: int = 1, cursor: int = 0, mixed: bool = False) -> "LaneState":
+        return LaneState((cursor,) * branches, (0,) * branches, (0,) * branches if mixed else ())
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"cursor": list(self.cursor), "skip": list(self.skip)}
+        if self.mix:
+            out["mix"] = list(self.mix)
+        if self.held or self.carry is not None:
+            out["held"] = [list(h) for h in self.held]
+            out["carry"] = self.carry
+        return out
+
+    @staticmethod
+    def from_json(obj: Any, lane: int | str = "?", branches: int = 1, mixed: bool = False) -> "LaneState":
+        where = f"lane {lane} of the state"
+        if not isinstance(obj, Mapping):
+            raise StateError(f"{where} is {type(obj).__name__}, expected an object with 'cursor'")
+
+        def ints(key: str, n: int, default: int | None = None) -> tuple[int, ...]:
+            v = obj.get(key)
+            if v is None and default is not None:
+                return (default,) * n
+            if isinstance(v, int) and not isinstance(v, bool) and n == 1:
+                v = [v]
+            if (not isinstance(v, list) or len(v) != n
+                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in v)):
+                raise StateError(f"{where} has an invalid {key!r}: {v!r}; expected {n} non-negative "
+                                 "integer(s). The state was edited or belongs to another pipeline.")
+            return tuple(v)
+
+        cursor = ints("cursor", branches)
+        skip = ints("skip", branches, 0)
+        mix = ints("mix", branches) if mixed else ()
+        held_raw = obj.get("held", [])
+        if (not isinstance(held_raw, list) or any(
+                not isinstance(h, list) or len(h) != 3 or any(isinstance(x, bool) or not isinstance(x, int)
+                                                              or x < 0 for x in h) or h[0] >= branches
+                for h in held_raw)):
+            raise StateError(f"{where} has an invalid 'held' list {held_raw!r}; expected "
+                             "[branch, input, output] triples.")
+        return LaneState(cursor, skip, mix, tuple(tuple(h) for h in held_raw), obj.get("carry"))
+
+
+# --- the pipeline as the engine sees it ---------------------------------------------------------
+@dataclass(frozen=True)
+class LanePipeline:
+    """Row operators (parallel), an optional accumulator and one-to-one operators after it."""
+
+    rows: tuple[Transform, ...]
+    acc: Accumulator | None = None
+    post: tuple[Transform, ...] = ()
+
+    @staticmethod
+    def split(ops: Sequence[Any]) -> "LanePipeline":
+        rows: list[Transform] = []
+        acc: Accumulator | None = None
+        post: list[Transform] = []
+        for op in ops:
+            if isinstance(op, Accumulator):
+                if acc is not None:
+                    raise PlanError(f"a pipeline may hold one accumulator; got {acc.op_name} and "
+                                    f"{op.op_name}. Fold them into one operator.")
+                acc = op
+            elif isinstance(op, Transform):
+                if acc is not None and not op.one_to_one:
+                    raise PlanError(f"{op.op_name} changes the number of rows after the accumulator "
+                                    f"{acc.op_name}; only one-to-one operators may follow it. Move "
+                                    "it before the accumulator.")
+                (post if acc is not None else rows).append(op)
+            else:
+                raise PlanError(f"{op!r} is not a lane operator; use zephon.Map/Filter/FlatMap/"
+                                "RandomMap, a Transform or an Accumulator subclass.")
+        return LanePipeline(tuple(rows), acc, tuple(post))
+
+    @property
+    def ops(self) -> tuple[Any, ...]:
+        return self.rows + ((self.acc,) if self.acc is not None else ()) + self.post
+
+    @property
+    def one_to_one(self) -> bool:
+        return self.acc is None and all(t.one_to_one for t in self.rows)
+
+    @property
+    def expands(self) -> bool:
+        return any(t.expands for t in self.rows)
+
+
+# --- windows: the parallel part -----------------------------------------------------------------
+@dataclass
+class Window:
+    """Outputs of the row operators over inputs `[start, start + size)` of every owned lane.
+
+    Rows are lane-major, in input order. `bounds[k]:bounds[k+1]` are lane k's rows; `ended[k]`
+    is true when lane k's inputs ran out inside this window (a finite plan).
+    """
+
+    branch: int
+    number: int
+    cols: Columns
+    index: np.ndarray
+    sub: np.ndarray
+    refs: Refs
+    bounds: np.ndarray
+    ended: np.ndarray
+    error: BaseException | None = None
+    traceback: str = ""
+    used: np.ndarray = field(default=None)  # type: ignore[assignment]
+
+    def raise_error(self) -> None:
+        if self.error is None:
+            return
+        if self.error.__traceback__ is None and self.traceback:  # crossed a process boundary
+            from zephon.runners import RemoteTraceback
+
+            raise self.error from RemoteTraceback(self.traceback)
+        raise self.error
+
+
+@dataclass(frozen=True)
+class WindowTask:
+    """`(branch, w) -> Window`: pure and picklable; what a runner maps over."""
+
+    lanes: Lanes
+    sources: Mapping[int, RecordSource]
+    rows: tuple[Transform, ...]
+    owned: np.ndarray
+    seed: int
+    starts: tuple[np.ndarray, ...]
+    size: int
+
+    def __call__(self, item: tuple[int, int]) -> Window:
+        branch, w = item
+        n = len(self.owned)
+        lo = self.starts[branch] + w * self.size
+        count = np.full(n, self.size, np.int64)
+        limit = self.lanes.branch_length(branch)
+        if limit is not None:
+            count = np.clip(limit - lo, 0, self.size)
+        ended = count < self.size
+        lane_rank = np.repeat(np.arange(n, dtype=np.int64), count)
+        index = lo[lane_rank] + (np.arange(count.sum(), dtype=np.int64)
+                                 - np.repeat(np.cumsum(count) - count, count))
+        try:
+            refs = self.lanes.resolve_lanes(self.owned[lane_rank], index, branch)
+            cols = read_refs(self.sources, refs) if len(refs) else {}
+            cols, src = run_transforms(self.rows, cols, refs, self.seed)
+        except Exception as e:  # noqa: BLE001 - raised in the consumer when the window is needed
+            empty = np.zeros(0, np.int64)
+            return Window(branch, w, {}, empty, empty, Refs(empty, empty, empty),
+                          np.zeros(n + 1, np.int64), ended, e, traceback.format_exc())
+        lane_out = lane_rank[src]
+        bounds = np.searchsorted(lane_out, np.arange(n + 1), side="left").astype(np.int64)
+        return Window(branch, w, cols, index[src], sub_index(src), refs.take(src), bounds, ended)
+
+
+def window_size(read_ahead: int, lanes: int, per_lane: int) -> int:
+    """Inputs per lane in one window: about `read_ahead` rows over all owned lanes."""
+    return max(per_lane, read_ahead // max(1, lanes))
+
+
+def take_rows(cols: Columns, rows: np.ndarray) -> Columns:
+    return {k: v[rows] for k, v in cols.items()}
+
+
+def concat_cols(parts: Sequence[Columns]) -> Columns:
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    if len(parts) == 1:
+        return parts[0]
+    names = parts[0].keys()
+    out: Columns = {}
+    for k in names:
+        vs = [p[k] for p in parts]
+        if any(v.dtype == object for v in vs) and not all(v.dtype == object for v in vs):
+            vs = [v.astype(object) if v.dtype != object else v for v in vs]
+        try:
+            out[k] = np.concatenate(vs)
+        except ValueError as e:
+            shapes = sorted({f"{v.dtype}{v.shape[1:]}" for v in vs})
+            raise PlanError(f"field {k!r} comes as {shapes} in different rows of one lane; map every "
+                            "source to one schema (fixed shapes, or ragged object columns).") from e
+    return out
+
+
+# --- the engine: the sequential part -------------------------------------------------------------
+class LaneEngine:
+    """Produces the owned rows of consecutive steps of a count-changing pipeline.
+
+    `states` are the owned lanes' `LaneState`s at the first step; `next()` returns the next step's
+    columns (lane-major), the provenance of its rows, and updates `states`.
+    """
+
+    def __init__(self, plan: Batch, sources: Mapping[int, RecordSource], pipeline: LanePipeline,
+                 owned: np.ndarray, seed: int, runner: Any, read_ahead: int,
+                 states: Sequence[LaneState]) -> None:
+        self.plan, self.sources, self.pipeline = plan, sources, pipeline
+        self.owned, self.seed = owned, seed
+        lanes = plan.lanes
+        self.nb = len(lanes.branches)
+        mix = lanes.child if isinstance(lanes.child, Mix) and lanes.child.by == "tokens" else None
+        self.mix = mix
+        if mix is not None:
+            w = mix.normalized
+            self._inv_w = np.where(w > 0, 1.0 / np.where(w > 0, w, 1.0), np.inf)
+        self.per = plan.per_lane
+        self.states = list(states)
+        starts = tuple(np.array([s.cursor[b] for s in self.states], np.int64) for b in range(self.nb))
+        size = window_size(read_ahead, len(owned), self.per)
+        if mix is not None or pipeline.acc is not None:
+            size = max(8, size // 4)  # per-lane assembly: smaller windows start faster
+        self.task = WindowTask(lanes, sources, pipeline.rows, owned, seed, starts, size)
+        self.pending: list[deque[Window]] = [deque() for _ in range(self.nb)]
+        self.issued = [0] * self.nb
+        self.want = [0.0] * self.nb  # windows each branch is expected to need next
+        self._ended = [np.zeros(len(owned), bool) for _ in range(self.nb)]
+        self._runner = runner
+        self._results: Iterator[Window] | None = None
+        # per-lane read positions into pending windows: (window, row) per branch
+        self._pos: list[list[tuple[int, int]]] = [[(0, 0)] * len(owned) for _ in range(self.nb)]
+        self._skip_applied = False
+        self._held: list[tuple[Columns, list[tuple[int, int, int, int, int, int]]]] = []
+        if pipeline.acc is not None:
+            self._held = rematerialize(self.task, self.states)
+
+    # --- windows ------------------------------------------------------------------------------
+    def _items(self) -> Iterator[tuple[int, int]]:
+        while True:
+            if self.nb == 1:
+                b = 0
+            else:  # the branch whose look-ahead is smallest relative to what it is used at
+                b = min(range(self.nb), key=lambda i: (self.issued[i] - self.want[i], i))
+            item = (b, self.issued[b])
+            self.issued[b] += 1
+            yield item
+
+    def _pull(self, branch: int) -> None:
+        """Receives windows until one of `branch` arrives (others are kept for later)."""
+        if self._results is None:
+            items = self._items()
+            self._results = (map(self.task, items) if self._runner is None
+                             else iter(self._runner.imap(self.task, items)))
+        while True:
+            self.want[branch] += 1
+            win = next(self._results)
+            win.used = win.bounds[:-1].copy()
+            self.pending[win.branch].append(win)
+            if win.branch == branch:
+                return
+
+    def close(self) -> None:
+        results, self._results = self._results, None
+        closer = getattr(results, "close", None)
+        if closer is not None:
+            closer()
+
+    # --- the simple path: no mix, no accumulator ----------------------------------------------
+    def _apply_skip(self) -> None:
+        """Drops outputs a restored lane had already used of its first input (flat maps)."""
+        self._skip_applied = True
+        skip = np.array([s.skip[0] for s in self.states], np.int64)
+        if not skip.any():
+            return
+        if not self.pending[0]:
+            self._pull(0)
+        win = self.pending[0][0]  # a lane's first input lies in the first window
+        win.raise_error()
+        for k in np.flatnonzero(skip):
+            rows = np.arange(win.used[k], win.bounds[k + 1])
+            first = rows[(win.index[rows] == self.states[k].cursor[0]) & (win.sub[rows] < skip[k])]
+            win.used[k] += len(first)
+
+    def _simple_step(self) -> tuple[Columns, Refs]:
+        if not self._skip_applied:
+            self._apply_skip()
+        n, per = len(self.owned), self.per
+        need = np.full(n, per, np.int64)
+        parts: list[tuple[Window, np.ndarray, np.ndarray]] = []
+        wi = 0
+        last_idx = np.full(n, -1, np.int64)
+        last_sub = np.zeros(n, np.int64)
+        while need.any():
+            if wi == len(self.pending[0]):
+                if self._ended[0][need > 0].any():
+                    raise StopIteration
+                self._pull(0)
+            win = self.pending[0][wi]
+            win.raise_error()
+            avail = win.bounds[1:] - win.used
+            take = np.minimum(avail, need)
+            if take.any():
+                tot = int(take.sum())
+                off = np.repeat(np.cumsum(take) - take, take)
+                within = np.arange(tot, dtype=np.int64) - off
+                lane = np.repeat(np.arange(n, dtype=np.int64), take)
+                idx = win.used[lane] + within
+                dest = lane * per + (per - need)[lane] + within
+                parts.append((win, idx, dest))
+                got = np.flatnonzero(take)
+                end = win.used[got] + take[got] - 1
+                last_idx[got], last_sub[got] = win.index[end], win.sub[end]
+                win.used += take
+                need -= take
+            self._ended[0] |= win.ended
+            if need.any():
+                wi += 1
+        while self.pending[0] and np.all(self.pending[0][0].used >= self.pending[0][0].bounds[1:]):
+            self.pending[0].popleft()
+        expands = self.pipeline.expands
+        self.states = [LaneState((int(i) if expands else int(i) + 1,), (int(s) + 1 if expands else 0,))
+                       for i, s in zip(last_idx, last_sub)]
+        total = n * per
+        out: Columns = {}
+        src = np.empty(total, np.int64)
+        rec = np.empty(total, np.int64)
+        ep = np.empty(total, np.int64)
+        for win, idx, dest in parts:
+            for k, v in win.cols.items():
+                if k not in out:
+                    out[k] = np.empty((total,) + v.shape[1:], dtype=v.dtype)
+                elif out[k].dtype != v.dtype and out[k].dtype != object:
+                    if v.dtype == object:
+                        out[k] = out[k].astype(object)
+                out[k][dest] = v[idx]
+            src[dest], rec[dest], ep[dest] = win.refs.source[idx], win.refs.record[idx], win.refs.epoch[idx]
+        return out, Refs(src, rec, ep)
+
+    # --- the general path: per lane, through the mix schedule and the accumulator --------------
+    def _avail(self, b: int, k: int) -> int:
+        """Rows of branch b already fetched for lane k and not yet used."""
+        return sum(int(w.bounds[k + 1] - w.used[k]) for w in self.pending[b])
+
+    def _peek(self, b: int, k: int, count: int) -> list[tuple[Window, int]]:
+        """The next `count` unused rows of branch b for lane k (fewer if the lane ended)."""
+        out: list[tuple[Window, int]] = []
+        wi = 0
+        while len(out) < count:
+            if wi == len(self.pending[b]):
+                if self._ended[b][k]:
+                    break
+                self._pull(b)
+            win = self.pending[b][wi]
+            win.raise_error()
+            self._ended[b] |= win.ended
+            lo, hi = int(win.used[k]), int(win.bounds[k + 1])
+            out += [(win, r) for r in range(lo, min(hi, lo + count - len(out)))]
+            wi += 1
+        return out
+
+    def _use(self, b: int, k: int, count: int) -> None:
+        for win in self.pending[b]:
+            if not count:
+                break
+            t = min(count, int(win.bounds[k + 1] - win.used[k]))
+            win.used[k] += t
+            count -= t
+        while self.pending[b] and np.all(self.pending[b][0].used >= self.pending[b][0].bounds[1:]):
+            self.pending[b].popleft()
+
+    def _first_skip(self, k: int) -> None:
+        """A restored lane drops the outputs of its first input it had used already."""
+        st = self.states[k]
+        for b in range(self.nb):
+            if st.skip[b]:
+                rows = self._peek(b, k, st.skip[b])
+                drop = sum(1 for w, r in rows if w.index[r] == st.cursor[b] and w.sub[r] < st.skip[b])
+                self._use(b, k, drop)
+
+    def _candidates(self, k: int, count: int, mix: Sequence[int]
+                    ) -> tuple[list[tuple[Window, int]], list[int]]:
+        """The lane's next `count` inputs to the accumulator, following the mix schedule."""
+        if self.mix is None:
+            rows = self._peek(0, k, count)
+            return rows, [0] * len(rows)
+        counts = np.array(mix, np.float64)
+        depth = [0] * self.nb
+        peeked: list[list[tuple[Window, int]]] = [[] for _ in range(self.nb)]
+        rows: list[tuple[Window, int]] = []
+        branches: list[int] = []
+        field_name = self.mix.count_field
+        while len(rows) < count:
+            ratio = counts * self._inv_w
+            b = int(np.argmin(ratio))
+            if depth[b] == len(peeked[b]):
+                peeked[b] = self._peek(b, k, depth[b] + max(4, count))
+                if depth[b] == len(peeked[b]):
+                    break  # this branch's lane ran out: the finite mix ends here
+            win, r = peeked[b][depth[b]]
+            depth[b] += 1
+            rows.append((win, r))
+            branches.append(b)
+            counts[b] += _count(win.cols, field_name, r)
+        return rows, branches
+
+    def _general_step(self) -> tuple[Columns, list[list[tuple[int, int, int, int, int]]]]:
+        per = self.per
+        acc = self.pipeline.acc
+        lane_outs: list[Columns] = []
+        provenance: list[list[tuple[int, int, int, int, int]]] = []
+        new_states: list[LaneState] = []
+        for k in range(len(self.owned)):
+            if not self._skip_applied:
+                self._first_skip(k)
+            st = self.states[k]
+            cursor, skip, mix = list(st.cursor), list(st.skip), list(st.mix)
+            held_cols, held_prov = self._held[k] if acc is not None else ({}, [])
+            carry = st.carry
+            got: list[Columns] = []
+            prov: list[list[tuple[int, int, int, int, int]]] = []
+            produced = 0
+            guess = max(4, per * 4)
+            while produced < per:
+                rows, branches = self._candidates(k, guess, mix)
+                new = _gather(rows)
+                new_prov = [(b, int(w.index[r]), int(w.sub[r]), int(w.refs.source[r]),
+                             int(w.refs.record[r]), int(w.refs.epoch[r])) for (w, r), b in zip(rows, branches)]
+                demand = per - produced
+                if acc is None:
+                    used = min(demand, len(rows))
+                    outs = take_rows(new, np.arange(used))
+                    segs = [[(p[3], p[4], p[5], 0, -1)] for p in new_prov[:used]]
+                    produced_now = used
+                else:
+                    queue = concat_cols([held_cols, new]) if held_cols else new
+                    res = acc.step(carry, held_cols if held_cols else take_rows(new, np.arange(0)),
+                                   new, demand)
+                    used = int(res.consumed)
+                    if not 0 <= used <= len(rows):
+                        raise PlanError(f"{acc.op_name}.step consumed {used} of {len(rows)} new inputs")
+                    outs = res.outputs
+                    produced_now = len(next(iter(outs.values()))) if outs else 0
+                    if produced_now > demand:
+                        raise PlanError(f"{acc.op_name}.step emitted {produced_now} rows for a "
+                                        f"demand of {demand}")
+                    all_prov = held_prov + new_prov
+                    hold = [int(h) for h in res.hold]
+                    n_avail = len(held_prov) + used
+                    if any(not 0 <= h < n_avail for h in hold):
+                        raise PlanError(f"{acc.op_name}.step holds inputs {hold} outside the "
+                                        f"{n_avail} it has seen")
+                    held_cols = take_rows(queue, np.asarray(hold, np.int64)) if hold else {}
+                    held_prov = [all_prov[h] for h in hold]
+                    carry = res.carry
+                    segs = [[(all_prov[i][3], all_prov[i][4], all_prov[i][5], s0, s1) for i, s0, s1 in row]
+                            for row in (res.segments or [[] for _ in range(produced_now)])]
+                for (w, r), b in zip(rows[:used], branches[:used]):
+                    cursor[b], skip[b] = int(w.index[r]), int(w.sub[r]) + 1
+                    if self.mix is not None:
+                        mix[b] += _count(w.cols, self.mix.count_field, r)
+                    self._use(b, k, 1)
+                if produced_now:
+                    got.append(outs)
+                    prov += segs
+                produced += produced_now
+                if produced < per:
+                    if used == 0 and len(rows) < guess:
+                        raise StopIteration  # the lane's inputs ended: a finite plan is over
+                    guess *= 2
+            if acc is not None:
+                self._held[k] = (held_cols, held_prov)
+            lane_outs.append(concat_cols(got))
+            provenance += prov
+            new_states.append(LaneState(tuple(cursor), tuple(skip), tuple(mix),
+                                        tuple((p[0], p[1], p[2]) for p in held_prov), carry))
+        self._skip_applied = True
+        self.states = _normalise(new_states, self.pipeline.expands)
+        return concat_cols(lane_outs), provenance
+
+    def next(self) -> tuple[Columns, Any]:
+        if self.mix is None and self.pipeline.acc is None:
+            return self._simple_step()
+        return self._general_step()
+
+
+def _normalise(states: list[LaneState], expands: bool) -> list[LaneState]:
+    """Writes positions canonically: after a fully used input, (input + 1, 0)."""
+    if expands:
+        return states
+    return [LaneState(tuple(c + 1 if s else c for c, s in zip(st.cursor, st.skip)),
+                      tuple(0 for _ in st.skip), st.mix, st.held, st.carry) for st in states]
+
+
+def _count(cols: Columns, name: str, r: int) -> int:
+    """What a token-aware mix counts for row r: the length of its `name` column."""
+    v = cols.get(name)
+    if v is None:
+        raise PlanError(f"a Mix by tokens counts the length of column {name!r}, which the "
+                        f"pipeline's rows do not have (fields: {sorted(cols)}); tokenize before the "
+                        "mix or set Mix(count_field=...).")
+    return len(v[r])
+
+
+def _gather(rows: list[tuple[Window, int]]) -> Columns:
+    """Columns of (window, row) pairs, in order (one gather per window)."""
+    if not rows:
+        return {}
+    parts: list[Columns] = []
+    i = 0
+    while i < len(rows):
+        win = rows[i][0]
+        j = i
+        while j < len(rows) and rows[j][0] is win:
+            j += 1
+        parts.append(take_rows(win.cols, np.fromiter((r for _, r in rows[i:j]), np.int64, j - i)))
+        i = j
+    return concat_cols(parts)
+
+
+def rematerialize(task: WindowTask, states: Sequence[LaneState]
+                  ) -> list[tuple[Columns, list[tuple[int, int, int, int, int, int]]]]:
+    """Re-reads and re-processes the inputs each lane's accumulator holds (after a restore).
+
+    One read per branch over all lanes' held inputs; the work is O(lanes × held), not O(steps).
+    """
+    out: list[tuple[Columns, list[tuple[int, int, int, int, int, int]]]] = [({}, []) for _ in states]
+    for b in range(len(task.starts)):
+        want = [(k, i, h) for k, st in enumerate(states) for i, h in enumerate(st.held) if h[0] == b]
+        if not want:
+            continue
+        lane = np.array([task.owned[k] for k, _, _ in want], np.int64)
+        index = np.array([h[1] for _, _, h in want], np.int64)
+        refs = task.lanes.resolve_lanes(lane, index, b)
+        cols, src = run_transforms(task.rows, read_refs(task.sources, refs), refs, task.seed)
+        sub = sub_index(src)
+        for j, (k, i, h) in enumerate(want):
+            hit = np.flatnonzero((src == j) & (sub == h[2]))
+            if not hit.size:
+                raise StateError(f"lane {int(task.owned[k])} holds output {h[2]} of input {h[1]} "
+                                 "but re-processing that input gives fewer outputs: the data or "
+                                 "the pipeline changed since the checkpoint.")
+            r = int(hit[0])
+            row = take_rows(cols, np.array([r]))
+            prev_cols, prev = out[k]
+            out[k] = (concat_cols([prev_cols, row]) if prev_cols else row,
+                      prev + [(b, h[1], h[2], int(refs.source[j]), int(refs.record[j]), int(refs.epoch[j]))])
+    # held inputs were gathered branch by branch: put them back in each lane's hold order
+    for k, st in enumerate(states):
+        if len({h[0] for h in st.held}) > 1:
+            cols, prov = out[k]
+            key = {(p[0], p[1], p[2]): i for i, p in enumerate(prov)}
+            order = np.array([key[tuple(h)] for h in st.held], np.int64)
+            out[k] = (take_rows(cols, order), [prov[i] for i in order])
+    return out
+

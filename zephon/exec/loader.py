@@ -1,0 +1,379 @@
+"""Plan + sources + lane operators -> the rows of global batches this process owns, with state.
+
+A data-parallel rank materialises only the rows of the lanes it owns. Pipelines whose operators
+keep one output per input take the random-access path (`zephon.exec.steps`): lane positions are
+`step × B/L`, any step is computed directly and a restore is O(1). Every other pipeline — filters,
+flat maps, tokenize-and-split, packing, a mix by tokens — runs on the lane engine
+(`zephon.exec.lanes`): windows of lane inputs in parallel on the runner, lanes assembled in order,
+per-lane positions and carries in the state. Both paths write the same state format.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from zephon.checkpoint import STATE_VERSION, check_state_version
+from zephon.errors import PlanError, StateError
+from zephon.exec.lanes import LaneEngine, LanePipeline, LaneState
+from zephon.exec.steps import (READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps,
+                               leaf_sources)
+from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transforms
+from zephon.ops.mix import PerSource
+from zephon.plan import Batch, Mix, Refs, plan_diff
+from zephon.sources.base import Columns, RecordSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalBatch:
+    """The rows of global batch `step` that this process owns, in global row order.
+
+    `refs` names each row's record (one-to-one and filter pipelines); `segments`, for rows an
+    accumulator built, lists per row its pieces as (source, record, epoch, start, stop).
+    """
+
+    step: int
+    data: Columns
+    lanes: np.ndarray
+    rows_per_lane: int
+    global_rows: int
+    refs: Refs | None = None
+    segments: list[list[tuple[int, int, int, int, int]]] | None = None
+
+    def lane_slice(self, k: int) -> slice:
+        """Rows of the k-th owned lane within `data`."""
+        return slice(k * self.rows_per_lane, (k + 1) * self.rows_per_lane)
+
+    def global_shape(self, name: str) -> tuple[int, ...]:
+        return (self.global_rows,) + tuple(self.data[name].shape[1:])
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the owned rows form one contiguous block of the global batch."""
+        return bool(np.all(np.diff(self.lanes) == 1))
+
+    @property
+    def row_offset(self) -> int:
+        """First global row of this process's rows (contiguous ownership)."""
+        return int(self.lanes[0]) * self.rows_per_lane if len(self.lanes) else 0
+
+    def explain(self) -> list[dict[str, Any]]:
+        """Per owned row: global row, lane and where its data came from."""
+        out: list[dict[str, Any]] = []
+        n = len(self.lanes) * self.rows_per_lane
+        for j in range(n):
+            lane = int(self.lanes[j // self.rows_per_lane])
+            row = {"row": lane * self.rows_per_lane + j % self.rows_per_lane, "lane": lane}
+            if self.segments is not None:
+                row["segments"] = [{"source": s, "record": r, "epoch": e, "tokens": [a, b]}
+                                   for s, r, e, a, b in self.segments[j]]
+            elif self.refs is not None:
+                row.update(source=int(self.refs.source[j]), record=int(self.refs.record[j]),
+                           epoch=int(self.refs.epoch[j]))
+            out.append(row)
+        return out
+
+
+def _as_ops(transforms: Sequence[Any], per_source: Mapping[int, Sequence[Transform]] | None
+            ) -> tuple[Any, ...]:
+    ops = tuple(transforms)
+    if per_source:
+        ops = (PerSource({int(k): tuple(v) for k, v in per_source.items()}),) + ops
+    return ops
+
+
+class Loader:
+    """Iterates global batches `start, start+1, ...` of a plan, materialising owned rows only.
+
+    Args:
+      plan: the root `Batch` node.
+      sources: one record source, a list (index = `Source.id`) or a mapping id -> source.
+      transforms: lane operators applied in every lane, in order: row operators (`Map`,
+        `RandomMap`, `Filter`, `FlatMap`, `Tokenize`, ...), at most one `Accumulator` (`Pack`),
+        then one-to-one operators.
+      per_source: `{source id: [row operators]}` applied to that source's rows first — each
+        corpus of a mix its own text field, tokenizer or filter.
+      seed: seeds data-derived randomness (`RandomMap`); part of the state's identity.
+      rank, world: data-parallel rank and degree; `plan.lanes.count % world == 0`.
+      runner: `zephon.runners.inline()` (default), `threads(n)` or `processes(n)`: computes steps
+        (or lane windows) ahead in parallel; changes speed, never data. `close()` closes it.
+      start_step: first global batch (random-access pipelines; others restore a state).
+      read_ahead: rows one read aims for (default `READ_AHEAD_ROWS`). Changes speed, never data.
+    """
+
+    def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
+                 transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
+                 seed: int = 0, rank: int = 0, world: int = 1, runner: Any = None, start_step: int = 0,
+                 read_ahead: int | None = None) -> None:
+        if not isinstance(plan, Batch):
+            raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
+        self.plan = plan
+        self.sources = as_source_map(sources)
+        for s in leaf_sources(plan):
+            if s.id not in self.sources:
+                raise PlanError(f"the plan reads Source id {s.id} ({s.name or 'unnamed'}) but no record "
+                                f"source was given for it; pass sources as a list or {{id: source}}.")
+            if len(self.sources[s.id]) < s.size:
+                raise PlanError(f"Source id {s.id} declares {s.size} records but its record source "
+                                f"has {len(self.sources[s.id])}; build the plan from len(source).")
+        if isinstance(plan.lanes.child, Mix) is False and any(
+                isinstance(n, Mix) and n.by == "tokens" for n in _nodes(plan)):
+            raise PlanError("a Mix by tokens must be the direct child of .lanes(L): its schedule runs "
+                            "inside every lane.")
+        self.pipeline = LanePipeline.split(_as_ops(transforms, per_source))
+        self.transforms = self.pipeline.ops
+        self.seed = int(seed)
+        self.rank, self.world = int(rank), int(world)
+        self.owned = plan.lanes.owned(self.rank, self.world)
+        self.branches = len(plan.lanes.branches)
+        self.token_mix = self.branches > 1
+        #: Whether batches are random access (every lane position is `step × B/L`).
+        self.random_access = self.pipeline.one_to_one and not self.token_mix
+        self.one_to_one = self.random_access
+        self.runner = runner
+        self.read_ahead = READ_AHEAD_ROWS if read_ahead is None else int(read_ahead)
+        if self.read_ahead < 1:
+            raise PlanError(f"read_ahead must be a positive number of rows, got {read_ahead!r}")
+        self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed)
+        self._pending: Iterator[tuple[Columns, Refs]] | None = None
+        self._engine: LaneEngine | None = None
+        self._step = 0
+        self._lane_states: list[LaneState] = []
+        if self.random_access:
+            self.seek(start_step)
+        else:
+            if start_step != 0:
+                raise StateError(f"this pipeline changes the number of records ({self._why()}), so "
+                                 f"its lanes cannot jump to step {start_step}; restore a state saved "
+                                 "by state() instead.")
+            self._lane_states = [LaneState.start(self.branches, 0, self.token_mix) for _ in self.owned]
+
+    def _why(self) -> str:
+        if self.pipeline.acc is not None:
+            return f"accumulator {self.pipeline.acc.op_name}"
+        if self.token_mix:
+            return "a Mix by tokens"
+        return ", ".join(t.op_name for t in self.pipeline.rows if not t.one_to_one)
+
+    # --- iteration ---------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The next global batch this loader will yield."""
+        return self._step
+
+    def __iter__(self) -> "Loader":
+        return self
+
+    def _batch(self, step: int, cols: Columns, refs: Refs | None = None,
+               segments: Any = None) -> LocalBatch:
+        if self.pipeline.post:
+            post_refs = Refs(np.repeat(self.owned, self.plan.per_lane),
+                             step * self.plan.per_lane + np.tile(np.arange(self.plan.per_lane), len(self.owned)),
+                             np.full(len(self.owned) * self.plan.per_lane, -1, np.int64))
+            cols, _ = run_transforms(self.pipeline.post, cols, post_refs, self.seed ^ 0x5EED)
+        return LocalBatch(step, cols, self.owned, self.plan.per_lane, self.plan.size, refs, segments)
+
+    def __next__(self) -> LocalBatch:
+        if self.random_access:
+            n = self.plan.num_steps
+            if n is not None and self._step >= n:
+                raise StopIteration
+            if self._pending is None:
+                self._pending = iterate_steps(self._task, self.runner, self._step, self.read_ahead)
+            try:
+                cols, refs = next(self._pending)
+            except BaseException:
+                self._stop_pending()  # the next call starts afresh at the same step
+                raise
+            batch = self._batch(self._step, cols, refs)
+        else:
+            if self._engine is None:
+                self._engine = LaneEngine(self.plan, self.sources, self.pipeline, self.owned, self.seed,
+                                          self.runner, self.read_ahead, self._lane_states)
+            try:
+                cols, prov = self._engine.next()
+            except BaseException:
+                self._stop_pending()  # state stays after the last yielded batch
+                raise
+            self._lane_states = self._engine.states
+            if isinstance(prov, Refs):
+                batch = self._batch(self._step, cols, refs=prov)
+            else:
+                batch = self._batch(self._step, cols, segments=prov)
+        self._step += 1
+        return batch
+
+    def _stop_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        closer = getattr(pending, "close", None)
+        if closer is not None:
+            closer()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    def _need_random_access(self, what: str) -> None:
+        if not self.random_access:
+            raise PlanError(f"{what} needs random access to steps, which this pipeline does not "
+                            f"have: {self._why()} makes each lane's position depend on the data "
+                            "before it. Iterate the loader, or restore a state saved by state().")
+
+    def strided(self, start: int, stride: int) -> Iterator[LocalBatch]:
+        """Batches start, start+stride, ... with grouped reads, for splitting steps among
+        workers (worker w of W takes `strided(first + w, W)`). Leaves `self.step` alone."""
+        self._need_random_access("strided()")
+        n = self.plan.num_steps
+        if n is not None and start >= n:
+            return
+        for k, (cols, refs) in enumerate(iterate_steps(self._task, self.runner, start, self.read_ahead, stride)):
+            yield self._batch(start + k * stride, cols, refs)
+
+    def batch(self, step: int) -> LocalBatch:
+        """Random access to global batch `step` (random-access pipelines only)."""
+        self._need_random_access(f"batch({step})")
+        cols, refs = self._task(step)
+        return self._batch(step, cols, refs)
+
+    def close(self) -> None:
+        """Stops prefetching and closes the runner (its workers and shared memory)."""
+        self._stop_pending()
+        closer = getattr(self.runner, "close", None)
+        if closer is not None:
+            closer()
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- state ---------------------------------------------------------------------------------
+    def identity(self) -> dict[str, Any]:
+        """What a state must match to be restored here: plan, seed and every operator's identity."""
+        return {"plan_fingerprint": self.plan.fingerprint(), "seed": self.seed,
+                "pipeline": [op.checked_identity() for op in self.transforms]}
+
+    def position(self) -> dict[str, Any]:
+        """The step and owned lanes' states (cheap; no identity check — see `state`)."""
+        if self.random_access:
+            lanes = {str(int(l)): LaneState.start(1, self._step * self.plan.per_lane).to_json()
+                     for l in self.owned}
+        else:
+            lanes = {str(int(l)): s.to_json() for l, s in zip(self.owned, self._lane_states)}
+        return {"step": self._step, "lanes": lanes}
+
+    def state_from(self, position: Mapping[str, Any]) -> dict[str, Any]:
+        """A full state document from a `position()` taken earlier (backends prefetch ahead)."""
+        import zephon
+
+        return {"zephon_state": STATE_VERSION, "zephon_version": zephon.__version__, **self.identity(),
+                "plan": self.plan.to_json(),
+                "step": position["step"], "lanes": position["lanes"]}
+
+    def state(self) -> dict[str, Any]:
+        """JSON state after the last yielded batch: identity, step, owned lanes' states."""
+        return self.state_from(self.position())
+
+    def seek(self, step: int) -> None:
+        """Positions a random-access pipeline at `step` in O(1)."""
+        if not self.random_access:
+            raise StateError(f"seek() needs random access to steps, which {self._why()} prevents; "
+                             "restore a saved state instead.")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise PlanError(f"step must be a non-negative integer, got {step!r}")
+        self._stop_pending()
+        self._step = int(step)
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continues from `state` (saved at any data-parallel degree of the same plan)."""
+        check_state(state)
+        mine = self.identity()
+        if state.get("plan_fingerprint") != mine["plan_fingerprint"]:
+            diffs = plan_diff(state.get("plan"), self.plan.to_json())
+            raise StateError("this checkpoint was written by another plan (fingerprint "
+                             f"{state.get('plan_fingerprint')} != {mine['plan_fingerprint']}); "
+                             f"differences: {'; '.join(diffs[:5]) or 'unknown'}. Restore it with the "
+                             "plan that wrote it, or start this plan from step 0.")
+        if state.get("seed") != mine["seed"]:
+            raise StateError(f"this checkpoint's seed {state.get('seed')!r} differs from the "
+                             f"loader's {mine['seed']!r}; use the same seed to resume.")
+        saved = state.get("pipeline")
+        diffs = identity_diff(saved if isinstance(saved, list) else [], mine["pipeline"])
+        if diffs:
+            raise StateError("this checkpoint was written by a different pipeline: "
+                             f"{'; '.join(diffs[:5])}. Resume with the operators that wrote it (same "
+                             "name, version and config), or start from step 0.")
+        step = state["step"]
+        lanes = state.get("lanes")
+        if not isinstance(lanes, Mapping):
+            raise StateError(f"the state's 'lanes' is {type(lanes).__name__}, expected an object "
+                             "{lane: state}")
+        missing = [int(l) for l in self.owned if str(int(l)) not in lanes]
+        if missing:
+            raise StateError(f"the state lacks lanes {missing[:8]}{'...' if len(missing) > 8 else ''} "
+                             "that this rank owns; merge every rank's state with merge_states() "
+                             "before restoring at a different data-parallel degree.")
+        parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix)
+                  for l in self.owned]
+        limit = self.plan.lanes.lane_length() if self.branches == 1 else None
+        for l, st in zip(self.owned, parsed):
+            if limit is not None and st.cursor[0] > limit:
+                raise StateError(f"lane {int(l)} of the state is at input {st.cursor[0]}, beyond its "
+                                 f"{limit} inputs; the state was edited or belongs to another plan.")
+        if self.random_access:
+            for l, st in zip(self.owned, parsed):
+                if st.cursor[0] != step * self.plan.per_lane or st.skip[0]:
+                    raise StateError(f"lane {int(l)} of the state is at input {st.cursor[0]}, but step "
+                                     f"{step} of this one-to-one pipeline puts every lane at "
+                                     f"{step * self.plan.per_lane}; the state was edited.")
+            self.seek(step)
+            return
+        self._stop_pending()
+        self._step = step
+        self._lane_states = parsed
+
+
+def _nodes(node: Any) -> Iterator[Any]:
+    yield node
+    kids = getattr(node, "children", None) or ((node.child,) if hasattr(node, "child") else ())
+    for c in kids:
+        yield from _nodes(c)
+
+
+def check_state(state: Any) -> None:
+    """Refuses what is not a Zephon state of a version this Zephon reads, naming the problem."""
+    if not isinstance(state, Mapping) or "zephon_state" not in state:
+        raise StateError("not a Zephon loader state (no 'zephon_state' key); pass the dict that "
+                         "Loader.state() (or state_dict()/get_state()) returned.")
+    check_state_version(state)
+    if state["zephon_state"] != STATE_VERSION:
+        raise StateError(f"this state has format {state['zephon_state']!r}; this Zephon reads format "
+                         f"{STATE_VERSION}. It was written by an older Zephon: restart from step 0 "
+                         "or resume with the version that wrote it.")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise StateError(f"checkpoint step {step!r} is not a non-negative integer")
+
+
+def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Unions the lane states of every rank's `state()` taken at the same step."""
+    if not states:
+        raise StateError("merge_states needs at least one state")
+    for s in states:
+        check_state(s)
+    head = dict(states[0])
+    for s in states[1:]:
+        for key in ("plan_fingerprint", "seed", "pipeline", "step"):
+            if s.get(key) != head.get(key):
+                raise StateError(f"cannot merge states with different {key}: "
+                                 f"{s.get(key)!r} != {head.get(key)!r}")
+    head["lanes"] = {k: v for s in states for k, v in s["lanes"].items()}
+    return head
+
+
+__all__ = ["JSON", "LaneState", "Loader", "LocalBatch", "Operator", "check_state", "merge_states"]
