@@ -293,7 +293,7 @@ def _produce(loader: Loader, emit: Emitter, out: queue.Queue[Item], stop: thread
             except StopIteration:
                 put(_End())
                 return
-            put((emit.host(batch), loader.state()))
+            put((emit.host(batch), loader.position()))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the consumer
         put(_Failure(e))
 
@@ -338,7 +338,7 @@ class JaxLoader:
         self.prefetch = prefetch
         self._loader = Loader(plan, sources, transforms, seed=seed, rank=self.layout.rank,
                               world=self.layout.world, runner=runner, start_step=start_step)
-        self._state = self._loader.state()
+        self._state = self._loader.position()
         self._prefetcher: _Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
         self._ended: _End | _Failure | None = None
@@ -364,7 +364,7 @@ class JaxLoader:
             except StopIteration:
                 self._ended = _End()
                 raise
-            self._state = self._loader.state()
+            self._state = self._loader.position()
             return arrays
         if self._prefetcher is None:
             self._prefetcher = _Prefetcher(self._loader, self.emit, self.prefetch)
@@ -397,13 +397,13 @@ class JaxLoader:
         In a multi-process run each process's state holds its own lanes; for pipelines with a
         filter, `zephon.merge_states` them before resuming at another data-parallel degree.
         """
-        return copy.deepcopy(self._state)
+        return self._loader.state_from(copy.deepcopy(self._state))
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Continues from `state` (from any mesh or data-parallel degree of the same plan)."""
         self._halt()
         self._loader.restore(state)
-        self._state = self._loader.state()
+        self._state = self._loader.position()
         self._ended = None
 
     get_state = state

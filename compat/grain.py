@@ -1002,7 +1002,7 @@ class Iterator(grain.DatasetIterator):
         if self.batched:
             return self.emit(next(self.loader), batched=True)
         while self._taken >= len(self._rows):
-            self._before = self.loader.state()
+            self._before = self.loader.position()
             self._rows = self.emit(next(self.loader), batched=False)
             self._taken = 0
         self._taken += 1
@@ -1015,7 +1015,7 @@ class Iterator(grain.DatasetIterator):
 
     def get_state(self) -> dict[str, Any]:
         if not self.batched and self._taken < len(self._rows):
-            return {"loader": self._before, "skip": self._taken}
+            return {"loader": self.loader.state_from(self._before), "skip": self._taken}
         return {"loader": self.loader.state(), "skip": 0}
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -1026,7 +1026,7 @@ class Iterator(grain.DatasetIterator):
         self._rows, self._taken = [], 0
         skip = int(state.get("skip", 0))
         if skip:
-            self._before = state["loader"]
+            self._before = self.loader.position()
             self._rows = self.emit(next(self.loader), batched=False)
             self._taken = skip
 

@@ -400,10 +400,22 @@ def test_zephon_sources_work_in_the_grain_api() -> None:
 
 # --- state, checkpoints, plans -----------------------------------------------------------------
 
+def not_mod3(x):
+    return x % 3 != 0
+
+
+def as_record(x):
+    return {"x": x}
+
+
+def plus_one(x):
+    return x + 1
+
+
 def test_get_state_set_state_round_trip_batched_and_unbatched() -> None:
     src = grain.sources.RangeDataSource(0, 97, 1)
-    z = zg.Dataset.source(src).shuffle(seed=5).repeat().filter(lambda x: x % 3 != 0)
-    z = z.map(lambda x: {"x": x}).batch(4)
+    z = zg.Dataset.source(src).shuffle(seed=5).repeat().filter(not_mod3)  # state needs named functions
+    z = z.map(as_record).batch(4)
     it = iter(z)
     for _ in range(5):
         next(it)
@@ -427,7 +439,7 @@ def test_get_state_set_state_round_trip_batched_and_unbatched() -> None:
 
 def test_state_saved_at_one_degree_resumes_at_another() -> None:
     src = grain.sources.RangeDataSource(0, 200, 1)
-    z = zg.Dataset.source(src).shuffle(seed=5).repeat().map(lambda x: x + 1).lanes(4).batch(8)
+    z = zg.Dataset.source(src).shuffle(seed=5).repeat().map(plus_one).lanes(4).batch(8)
     it = iter(z)
     for _ in range(3):
         next(it)

@@ -183,7 +183,7 @@ def test_prefetch_errors_surface_and_close_stops_the_thread():
             raise ValueError("record 64 is corrupt")
         return cols
 
-    with JaxLoader(plan, make_source(), (Map(explode, batched=True),), mesh=make_mesh((8,)), prefetch=3) as loader:
+    with JaxLoader(plan, make_source(), (Map(explode, batched=True, name="explode"),), mesh=make_mesh((8,)), prefetch=3) as loader:
         assert [int(np.asarray(next(loader)["id"]).max()) for _ in range(2)] == [31, 63]
         for _ in range(2):  # raised again, never a hang
             with pytest.raises(ValueError, match="record 64 is corrupt"):
@@ -214,7 +214,7 @@ def test_state_counts_consumed_batches_not_prefetched():
             reached_step_5.set()
         return cols
 
-    transforms = (Map(watch, batched=True),)
+    transforms = (Map(watch, batched=True, name="watch"),)
     with JaxLoader(plan, make_source(), transforms, mesh=make_mesh((8,)), prefetch=2) as loader:
         for _ in range(3):
             next(loader)
