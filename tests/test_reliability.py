@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -131,3 +132,371 @@ def test_load_state_names_foreign_and_newer_files(tmp_path):
     with pytest.raises(StateError, match="directory .* does not exist"):
         save_state(tmp_path / "no" / "x.json", {"step": 1})
     assert temps(tmp_path) == []
+
+
+# ---------------------------------------------------------------- Parquet bit flips
+
+def _varint(buf, i):
+    shift = result = 0
+    while True:
+        b = buf[i]
+        i += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, i
+        shift += 7
+
+
+def _skip(buf, i, t):
+    """Skips one thrift-compact value of type `t` at `i`."""
+    if t in (1, 2):
+        return i
+    if t == 3:
+        return i + 1
+    if t in (4, 5, 6):
+        return _varint(buf, i)[1]
+    if t == 7:
+        return i + 8
+    if t == 8:
+        n, i = _varint(buf, i)
+        return i + n
+    if t in (9, 10):
+        n, et = buf[i] >> 4, buf[i] & 0x0F
+        i += 1
+        if n == 15:
+            n, i = _varint(buf, i)
+        for _ in range(n):
+            i = _skip(buf, i, et)
+        return i
+    if t == 11:
+        n, i = _varint(buf, i)
+        if n:
+            kv = buf[i]
+            i += 1
+            for _ in range(n):
+                i = _skip(buf, _skip(buf, i, kv >> 4), kv & 0x0F)
+        return i
+    if t == 12:
+        return _page_header(buf, i)[1]
+    raise ValueError(f"thrift type {t}")
+
+
+def _page_header(buf, i):
+    """The i32 fields 1-4 of a thrift-compact struct (a PageHeader: type, uncompressed size,
+    compressed size, crc) and the offset just past it."""
+    fields, fid = {}, 0
+    while True:
+        h = buf[i]
+        i += 1
+        if h == 0:
+            return fields, i
+        t, delta = h & 0x0F, h >> 4
+        if delta:
+            fid += delta
+        else:
+            v, i = _varint(buf, i)
+            fid = (v >> 1) ^ -(v & 1)
+        if t == 5 and fid in (1, 2, 3, 4):
+            v, i = _varint(buf, i)
+            fields[fid] = (v >> 1) ^ -(v & 1)
+        else:
+            i = _skip(buf, i, t)
+
+
+def parquet_pages(path):
+    """[(header_start, body_start, body_end)] of every page (dictionary and data) in the file."""
+    import pyarrow.parquet as pq
+
+    buf = open(path, "rb").read()
+    md = pq.ParquetFile(path).metadata
+    out = []
+    for g in range(md.num_row_groups):
+        for c in range(md.num_columns):
+            col = md.row_group(g).column(c)
+            i = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+            end = i + col.total_compressed_size
+            while i < end:
+                fields, body = _page_header(buf, i)
+                out.append((i, body, body + fields[3]))
+                i = body + fields[3]
+    return out
+
+
+N_ROWS = 2000
+
+
+def parquet_data():
+    rng = np.random.default_rng(0)
+    return {"id": np.arange(N_ROWS, dtype=np.int64),
+            "tokens": rng.integers(0, 50_000, (N_ROWS, 16)).astype(np.int32),
+            "score": rng.standard_normal(N_ROWS).astype(np.float32),
+            "text": np.array([f"document {i} " + "w" * (i % 13) for i in range(N_ROWS)], dtype=object)}
+
+
+def flip_outcomes(tmp_path, path, read, want, positions, rng):
+    """Flips one random bit at each position (each in a fresh copy of the file) and classifies
+    the read: 'detected' (SourceError/DecodeError naming the copy), 'harmless' (the data read
+    equals the original) or 'silent' (wrong data, no error)."""
+    data = open(path, "rb").read()
+    out = {"detected": 0, "harmless": 0, "silent": 0}
+    for k, pos in enumerate(positions):
+        bad = bytearray(data)
+        bad[pos] ^= 1 << rng.randrange(8)
+        copy = tmp_path / f"flip{k}{os.path.splitext(path)[1]}"
+        copy.write_bytes(bytes(bad))
+        try:
+            got = read(str(copy))
+        except (SourceError, DecodeError) as e:
+            assert copy.name in str(e), e
+            out["detected"] += 1
+            continue
+        same = got.keys() == want.keys() and all(
+            list(got[k]) == list(want[k]) if want[k].dtype == object
+            else got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]) for k in want)
+        out["harmless" if same else "silent"] += 1
+        copy.unlink()
+    return out
+
+
+def read_parquet_all(path):
+    from zephon.sources import ParquetSource
+
+    return ParquetSource(path, decode_threads=1).read(np.arange(N_ROWS))
+
+
+def test_bit_flips_in_zephon_written_parquet_pages_are_all_detected(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from zephon.sources import write_parquet
+
+    want = parquet_data()
+    rng = random.Random(0)
+    path = tmp_path / "z.parquet"
+    write_parquet(path, want, row_group_size=500)
+    pages = parquet_pages(path)
+    assert len(pages) >= 16  # 4 row groups x 4 columns, dictionary pages included
+    with deadline(40):
+        bodies = [rng.randrange(b, e) for _ in range(4) for _, b, e in pages]
+        body = flip_outcomes(tmp_path, str(path), read_parquet_all, want, bodies, rng)
+        headers = [rng.randrange(h, b) for _ in range(2) for h, b, _ in pages]
+        header = flip_outcomes(tmp_path, str(path), read_parquet_all, want, headers, rng)
+        # The same data written by pyarrow's defaults (no page checksums), for the README.
+        plain = tmp_path / "plain.parquet"
+        table = pq.read_table(path)
+        pq.write_table(pa.table(table.columns, names=table.column_names), plain, row_group_size=500)
+        plain_bodies = [rng.randrange(b, e) for _ in range(4) for _, b, e in parquet_pages(plain)]
+        unprotected = flip_outcomes(tmp_path, str(plain), read_parquet_all, want, plain_bodies, rng)
+    report(f"parquet write_parquet page bodies: {body['detected']}/{len(bodies)} flips detected "
+           f"({body})")
+    report(f"parquet write_parquet page headers: {header['detected']}/{len(headers)} detected, "
+           f"the rest harmless ({header})")
+    report(f"parquet without checksums, page bodies: {unprotected['detected']}/{len(plain_bodies)} "
+           f"detected ({unprotected})")
+    assert body == {"detected": len(bodies), "harmless": 0, "silent": 0}
+    assert header["silent"] == 0
+
+
+def test_bit_flips_in_array_record_never_give_silent_wrong_data(tmp_path):
+    from zephon.sources import ArrayRecordSource, FixedFields, write_array_record
+
+    spec = FixedFields({"tokens": ("int32", (64,))})
+    tokens = np.random.default_rng(1).integers(0, 50_000, (500, 64)).astype(np.int32)
+    path = tmp_path / "a.array_record"
+    write_array_record(path, [spec.encode({"tokens": t}) for t in tokens])
+    size = os.path.getsize(path)
+    rng = random.Random(1)
+    with deadline(30):
+        out = flip_outcomes(tmp_path, str(path), lambda p: ArrayRecordSource(p, spec).read(np.arange(500)),
+                            {"tokens": tokens}, [rng.randrange(size) for _ in range(128)], rng)
+    report(f"array_record: {out['detected']}/128 flips detected, {out['harmless']} harmless "
+           f"(padding), {out['silent']} silent ({out})")
+    assert out["silent"] == 0
+
+
+# ---------------------------------------------------------------- files changed under a job
+
+def _rewrite_in_place(path, content: bytes) -> None:
+    time.sleep(0.01)  # a later mtime even on filesystems with coarse timestamps
+    with open(path, "r+b") as f:  # same inode: what `cp new old` or a writer reopening does
+        f.truncate(0)
+        f.write(content)
+
+
+def test_array_record_rewritten_under_a_reader_is_an_error_not_empty_records(tmp_path):
+    from zephon.sources import ArrayRecordSource, RawBytes, write_array_record
+
+    path = tmp_path / "a.array_record"
+    records = [bytes([i % 256]) * 300 for i in range(400)]
+    write_array_record(path, records)
+    src = ArrayRecordSource(str(path), RawBytes())
+    assert src.read([5, 399])["bytes"].tolist() == [records[5], records[399]]
+    other = tmp_path / "other.array_record"
+    write_array_record(other, [b"y" * 10] * 50)  # fewer, shorter records
+    _rewrite_in_place(path, other.read_bytes())
+    for _ in range(3):  # every read after the change, not just the first
+        with pytest.raises(SourceError, match=r"a\.array_record: the file changed while "
+                                              r"ArrayRecordSource was reading it \(.*it was "
+                                              r"modified; it was inode \d+, \d+ bytes.*restore the original"):
+            src.read([5, 399])
+    # A fresh copy of the source (what a worker process gets) refuses it too.
+    with pytest.raises(SourceError, match="the file changed"):
+        pickle.loads(pickle.dumps(src)).read([1])
+
+
+def test_file_replaced_by_rename_is_detected(tmp_path):
+    from zephon.sources import ArrayRecordSource, write_array_record
+
+    path = tmp_path / "r.array_record"
+    write_array_record(path, [b"a" * 64] * 100)
+    src = ArrayRecordSource(str(path))
+    src.read([1])
+    st = os.stat(path)
+    write_array_record(tmp_path / "new.array_record", [b"b" * 64] * 100)  # same size
+    os.utime(tmp_path / "new.array_record", ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime
+    os.replace(tmp_path / "new.array_record", path)  # rsync / atomic writers do this
+    with pytest.raises(SourceError, match=r"r\.array_record: .*it was replaced by another file"):
+        src.read([1])
+    os.unlink(path)
+    with pytest.raises(SourceError, match=r"r\.array_record: .*it no longer exists"):
+        src.read([1])
+
+
+def test_parquet_and_jsonl_rewritten_during_a_loader_run(tmp_path):
+    from zephon import Loader, Source
+    from zephon.sources import JsonlSource, ParquetSource, write_parquet
+
+    data = parquet_data()
+    pq_path, jl_path = tmp_path / "d.parquet", tmp_path / "d.jsonl"
+    write_parquet(pq_path, data, row_group_size=250)
+    jl_path.write_text("".join(json.dumps({"id": i, "text": f"t{i}"}) + "\n" for i in range(N_ROWS)))
+    for path, make, new in [
+            (pq_path, lambda: ParquetSource(str(pq_path)), lambda: _rewrite_in_place(pq_path, pq_path.read_bytes()[:3000])),
+            (jl_path, lambda: JsonlSource(str(jl_path)), lambda: _rewrite_in_place(jl_path, b'{"id": 1, "text": "x"}\n' * 3000))]:
+        plan = Source(N_ROWS).shuffle(3).repeat().lanes(4).batch(64)
+        loader = Loader(plan, make(), read_ahead=64)
+        with deadline(20):
+            for _ in range(3):
+                next(loader)
+            new()
+            with pytest.raises(SourceError, match=rf"{path.name}: .*the file changed"):
+                for _ in range(10):
+                    next(loader)
+        loader.close()
+
+
+TRUNCATED_UNDER_READER = textwrap.dedent("""
+    import os, sys, numpy as np
+    from zephon.errors import SourceError
+    from zephon.sources import ParquetSource
+    if sys.argv[2] == "mmap":  # what ParquetSource did before: memory-mapped files
+        import pyarrow.parquet as pq
+        ParquetSource._open = staticmethod(lambda p: pq.ParquetFile(p, memory_map=True))
+    src = ParquetSource(sys.argv[1], cache_row_groups=0, decode_threads=1)
+    src.read(np.arange(10))  # the file is open now
+    os.truncate(sys.argv[1], os.path.getsize(sys.argv[1]) // 2)  # another process shrinks it
+    try:
+        src.read(np.arange(len(src) - 10, len(src)))
+    except SourceError as e:
+        print(e)
+        sys.exit(3)
+""")
+
+
+def test_parquet_truncated_under_its_reader_is_an_error_never_sigbus(tmp_path):
+    """Rows past the new end of a memory-mapped file kill the reader with SIGBUS (shown with a
+    mapped reader); ParquetSource reads through the descriptor and stops with a SourceError."""
+    from zephon.sources import write_parquet
+
+    codes = {}
+    for mode in ("mmap", "zephon"):
+        path = tmp_path / f"{mode}.parquet"
+        write_parquet(path, parquet_data(), row_group_size=100)
+        proc = subprocess.run([sys.executable, "-c", TRUNCATED_UNDER_READER, str(path), mode],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        codes[mode] = proc.returncode
+        if mode == "zephon":
+            assert proc.returncode == 3, proc.stderr[-2000:]
+            assert re.search(r"zephon\.parquet: the file changed .*size went from \d+ to \d+",
+                             proc.stdout), proc.stdout
+    report(f"parquet truncated under its reader: exit {codes['mmap']} memory-mapped, "
+           f"{codes['zephon']} (SourceError) with ParquetSource")
+    assert codes["mmap"] in (-signal.SIGBUS, 3)  # SIGBUS unless the kernel kept the pages
+
+
+# ---------------------------------------------------------------- JSONL schema
+
+def write_lines(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def test_jsonl_type_drift_and_missing_fields_name_file_line_and_field(tmp_path):
+    from zephon.sources import JsonlSource
+
+    rows = [{"id": i, "score": 0.5 * i, "toks": [i, i + 1], "meta": {"lang": "en"}} for i in range(300)]
+    rows[0]["score"] = 0  # an integer where the column is float: still a float column
+    rows[200]["id"] = "200"            # drift, past the lines the schema is inferred from
+    del rows[250]["score"]             # a missing field
+    rows[260]["meta"] = {"lang": None}  # a null
+    rows[270]["toks"] = [1, "two"]      # drift inside a list
+    rows[280]["extra"] = 1              # an unknown field
+    path = tmp_path / "drift.jsonl"
+    write_lines(path, rows)
+    src = JsonlSource(path)
+    assert src.schema == {"id": "int", "score": "float", "toks": "list[int]", "meta/lang": "str"}
+    ok = src.read([0, 2, 4])
+    assert ok["score"].dtype == np.float64 and ok["id"].dtype == np.int64
+    assert src.read([0])["score"].dtype == np.float64  # not int64 because line 1 has 0
+    cases = {
+        200: r"drift\.jsonl: line 201 \(record 200\): field 'id' is str \(\"200\"\) but the schema "
+             r"inferred from .*drift\.jsonl: line 1 \(record 0\) \.\. line 100 says int",
+        250: r"drift\.jsonl: line 251 \(record 250\): field 'score' is missing \(the line has fields "
+             r"\['id', 'meta/lang', 'toks'\]",
+        260: r"line 261 \(record 260\): field 'meta/lang' is null .* says str.*fill the nulls",
+        270: r"line 271 \(record 270\): field 'toks' is list \(\[1, \"two\"\]\) but .* says list\[int\]",
+        280: r"line 281 \(record 280\): field 'extra' is not in the schema",
+    }
+    for record, message in cases.items():
+        with pytest.raises(DecodeError, match=message):
+            src.read([3, record, 5])  # blamed on that line, not on another of the read
+    pinned = JsonlSource(path, schema={**src.schema, "id": "any"})
+    assert pinned.read([200, 1])["id"].tolist() == ["200", 1]  # an object column, by choice
+
+
+def test_jsonl_inferred_conflicts_are_logged_and_given_schemas_are_validated(tmp_path, caplog):
+    from zephon.sources import JsonlSource
+
+    path = tmp_path / "early.jsonl"
+    write_lines(path, [{"x": 1}, {"x": "one"}, {"x": 3}])
+    with caplog.at_level("WARNING"):
+        src = JsonlSource(path)
+    assert src.schema == {"x": "int"}
+    assert re.search(r"early\.jsonl: line 2 \(record 1\): field 'x' is str but .*line 1 \(record 0\) "
+                     r"has it int", caplog.text)
+    with pytest.raises(DecodeError, match=r"line 2 \(record 1\): field 'x' is str"):
+        src.read([1])
+    with pytest.raises(ValueError, match=r"schema entries \{'x': 'integer'\}.*'int'"):
+        JsonlSource(path, schema={"x": "integer"})
+    with pytest.raises(ValueError, match=r"ragged names \['y'\].*\['x'\]"):
+        JsonlSource(path, ragged={"y"})
+    (tmp_path / "second.jsonl").write_text('{"y": 1}\n')
+    with pytest.raises(DecodeError, match=r"second\.jsonl: line 1 \(record 3\): field 'x' is missing"):
+        JsonlSource([path, tmp_path / "second.jsonl"])  # another file's first line, at construction
+
+
+def test_jsonl_non_utf8_and_foreign_files_are_named(tmp_path):
+    from zephon.sources import JsonlSource, write_array_record, write_parquet
+
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"t": "ok"}\n{"t": "caf\xe9"}\n'.encode("latin-1"))
+    src = JsonlSource(latin)
+    with pytest.raises(DecodeError, match=r"latin\.jsonl: line 2 \(record 1\): not UTF-8 text \(byte "
+                                          r"0xe9 at column 11\).*Re-encode"):
+        src.read([0, 1])
+    write_parquet(tmp_path / "x.parquet", {"a": np.arange(10)}, row_group_size=5)
+    with pytest.raises(DecodeError, match=r"x\.parquet: none of the first \d+ lines is a JSON object.*"
+                                          r"looks like a Parquet file \(use ParquetSource\)"):
+        JsonlSource(tmp_path / "x.parquet")
+    write_array_record(tmp_path / "x.array_record", [b"\x00\x01" * 50] * 10)
+    with pytest.raises(DecodeError, match=r"x\.array_record: .*looks like a binary file"):
+        JsonlSource(tmp_path / "x.array_record")

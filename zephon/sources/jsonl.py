@@ -150,8 +150,8 @@ class JsonlSource:
     """One JSON object per line; files are concatenated in order into one record numbering.
 
     `schema` maps each field (nested keys joined with "/") to one of `KINDS`; without it, the
-    schema is inferred from the first `infer_records` lines (and the first line of every other
-    file is checked against it at construction). `src.schema` shows it: pass it back as
+    schema is inferred from the first `infer_records` lines of the first file (and the first line
+    of every other file is checked against it at construction). `src.schema` shows it: pass it back as
     `schema=` to pin it. Every line read must have exactly the schema's fields with values of
     their kinds. Columns: int -> int64, float -> float64, bool -> bool, str/any -> object;
     lists stack to a 2-D array when the rows of a read agree in length — name variable-length
@@ -191,7 +191,7 @@ class JsonlSource:
         if schema is None:  # fail at construction on a file that does not fit, not at step N
             firsts = [int(e) - len(s) for (s, _), e in zip(spans, self._file_ends) if len(s)]
             for record in firsts:
-                if record >= infer_records:
+                if record >= self._infer_end:  # the lines before were inferred from
                     try:
                         row = self._parse(record)
                     except DecodeError:
@@ -222,8 +222,14 @@ class JsonlSource:
         keys: tuple[str, ...] | None = None
         first_record, problem = -1, ""
         odd: list[str] = []
-        window = min(count, len(self))
-        for record in range(window):
+        # Lines of the first file that has any: other files are checked against them.
+        first_file = int(np.searchsorted(self._file_ends, 0, side="right"))
+        begin = int(self._file_ends[first_file - 1]) if 0 < first_file < len(self.paths) else 0
+        window = min(count, len(self) - begin)
+        if first_file < len(self.paths):
+            window = min(window, int(self._file_ends[first_file]) - begin)
+        self._infer_end = begin + window
+        for record in range(begin, begin + window):
             try:
                 row = self._parse(record)
             except DecodeError as e:
@@ -249,14 +255,15 @@ class JsonlSource:
                 first_seen.setdefault(name, record)
                 kinds[name] = merged
         if keys is None:
-            if not len(self):
-                self._schema_origin = "an empty file set"
+            if not window:
+                self._schema_origin = "empty files"
                 return {}
-            raise DecodeError(f"{self.paths[0]}: none of the first {window} lines is a JSON "
+            path = self.paths[first_file]
+            raise DecodeError(f"{path}: none of the first {window} lines is a JSON "
                               f"object, so the records' fields cannot be inferred ({problem})."
-                              f"{_foreign(self.paths[0])} Pass JSON Lines files.")
+                              f"{_foreign(path)} Pass JSON Lines files.")
         self._schema_origin = (f"the schema inferred from {self._where(first_record)} .. line "
-                               f"{self._line_number(window - 1)}")
+                               f"{self._line_number(begin + window - 1)}")
         schema = {}
         for name in keys:
             kind = kinds.get(name, "any")  # null in every inferred line: no type to check
@@ -393,8 +400,15 @@ class JsonlSource:
     def read(self, indices: np.ndarray) -> Columns:
         idx = as_indices(indices, len(self), self._what)
         files = np.searchsorted(self._file_ends, idx, side="right").tolist()
-        rows = [self._check(record, self._parse(record, file))
-                for record, file in zip(idx.tolist(), files)]
+        try:
+            rows = [self._check(record, self._parse(record, file))
+                    for record, file in zip(idx.tolist(), files)]
+        except DecodeError as e:  # a bad line, or a file rewritten under us?
+            for f in sorted(set(files)):
+                err = changed(self.paths[f], self._stamps[f], "JsonlSource")
+                if err is not None:
+                    raise err from e
+            raise
         # Once per read, after it: the lines above come from the files the source indexed.
         check_unchanged(self.paths, self._stamps, sorted(set(files)), "JsonlSource")
         return {name: self._column(name, kind, [row[name] for row in rows], idx)

@@ -213,8 +213,14 @@ class ParquetSource:
                               f"{str(e).strip().rstrip('.')}. The file is corrupt or truncated "
                               "(a failed page checksum means bits changed on disk or in "
                               "transfer); rewrite it, or restore it from the original.") from e
-        decoded = self._convert(table, lambda i: f"{path}: record {first + i} (row {i} of row "
-                                                 f"group {local})")
+        try:
+            decoded = self._convert(table, lambda i: f"{path}: record {first + i} (row {i} of "
+                                                     f"row group {local})")
+        except DecodeError as e:
+            err = changed(path, self._stamps[file], "ParquetSource")
+            if err is not None:  # not bad data: rewritten under us
+                raise err from e
+            raise
         with self._cache_lock:
             self._cache[group] = decoded
             while len(self._cache) > self.cache_row_groups:
