@@ -181,16 +181,30 @@ class WindowTask:
     seed: int
     starts: tuple[np.ndarray, ...]
     size: int
+    first: int = 0
+
+    def span(self, w: int) -> tuple[int, int]:
+        """(offset, length) of window w in every lane: lengths double from `first` up to
+        `size`, so the first batch comes quickly and later reads are large."""
+        first = max(1, min(self.first or self.size, self.size))
+        k = 0
+        while first << k < self.size and k < w:
+            k += 1
+        if k == w:  # still in the doubling phase
+            return first * ((1 << w) - 1), min(first << w, self.size)
+        ramp = first * ((1 << k) - 1)
+        return ramp + (w - k) * self.size, self.size
 
     def __call__(self, item: tuple[int, int]) -> Window:
         branch, w = item
         n = len(self.owned)
-        lo = self.starts[branch] + w * self.size
-        count = np.full(n, self.size, np.int64)
+        offset, size = self.span(w)
+        lo = self.starts[branch] + offset
+        count = np.full(n, size, np.int64)
         limit = self.lanes.branch_length(branch)
         if limit is not None:
-            count = np.clip(limit - lo, 0, self.size)
-        ended = count < self.size
+            count = np.clip(limit - lo, 0, size)
+        ended = count < size
         lane_rank = np.repeat(np.arange(n, dtype=np.int64), count)
         index = lo[lane_rank] + (np.arange(count.sum(), dtype=np.int64)
                                  - np.repeat(np.cumsum(count) - count, count))
@@ -261,9 +275,11 @@ class LaneEngine:
         self.states = list(states)
         starts = tuple(np.array([s.cursor[b] for s in self.states], np.int64) for b in range(self.nb))
         size = window_size(read_ahead, len(owned), self.per)
+        first = self.per
         if mix is not None or pipeline.acc is not None:
-            size = max(8, size // 4)  # per-lane assembly: smaller windows start faster
-        self.task = WindowTask(lanes, sources, pipeline.rows, owned, seed, starts, size)
+            size = max(8, size // 4)  # per-lane assembly: one lane's documents at a time
+            first = 2
+        self.task = WindowTask(lanes, sources, pipeline.rows, owned, seed, starts, size, first)
         self.pending: list[deque[Window]] = [deque() for _ in range(self.nb)]
         self.issued = [0] * self.nb
         self.want = [0.0] * self.nb  # windows each branch is expected to need next

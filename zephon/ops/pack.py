@@ -1,0 +1,213 @@
+"""Packing tokenized documents into fixed-length rows, as a lane accumulator.
+
+Three modes, all deterministic and all losing no token:
+
+- `concat` (concat-then-split): the lane's documents are laid end to end and cut every
+  `seq_len` tokens; a document crossing a row boundary continues in the next row of the same
+  lane — also across steps and across a stop/resume, because the carry names it (its position in
+  the lane and a token offset). No padding except at the end of a finite plan.
+- `first_fit` / `best_fit`: up to `max_open_bins` rows are open; each document goes into the
+  first (or the tightest) open row it fits, else a new row opens, closing the fullest one when
+  all are taken. Documents longer than `seq_len` are split into full rows plus a remainder that
+  is packed like any document (never dropped, never truncated).
+
+Rows come with `targets` (the next token of the same document; a document's last token has no
+target and `loss_mask` 0, so nothing leaks across documents), `segment_ids` (1, 2, ... per row,
+0 for padding), `positions` (0-based within each segment of the row), `loss_mask` and
+`cu_seqlens` (segment boundaries of the row, padded with its number of real tokens). With
+`names="maxtext"` the fields are `inputs`, `targets`, `inputs_segmentation`,
+`targets_segmentation`, `inputs_position`, `targets_position` (Grain's and MaxText's names).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from zephon.errors import PlanError
+from zephon.ops.base import Accumulator, Step
+from zephon.sources.base import Columns
+
+Mode = Literal["concat", "first_fit", "best_fit"]
+Segment = tuple[int, int, int]  # (queue index, start, stop)
+
+
+@dataclass(frozen=True)
+class Pack(Accumulator):
+    """Packs column `field` (token arrays) into rows of `seq_len`; see the module doc.
+
+    Args:
+      seq_len: tokens per row.
+      mode: 'concat', 'first_fit' or 'best_fit'.
+      field: the token column (what `Tokenize` writes).
+      max_open_bins: open rows of first_fit/best_fit (bounds the carry).
+      pad_id: id of padding tokens (and of targets with no next token).
+      max_segments: width of `cu_seqlens` minus one (default `seq_len`, always enough); with a
+        smaller value, first_fit/best_fit close a row that has that many segments.
+      names: 'zephon' or 'maxtext' field names.
+      dtype: integer dtype of the emitted arrays.
+    """
+
+    seq_len: int
+    mode: Mode = "concat"
+    field: str = "tokens"
+    max_open_bins: int = 8
+    pad_id: int = 0
+    max_segments: int | None = None
+    names: Literal["zephon", "maxtext"] = "zephon"
+    dtype: str = "int32"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2:
+            raise PlanError(f"Pack.seq_len must be an integer >= 2, got {self.seq_len!r}")
+        if self.mode not in ("concat", "first_fit", "best_fit"):
+            raise PlanError(f"Pack.mode must be 'concat', 'first_fit' or 'best_fit', got {self.mode!r}")
+        if not isinstance(self.max_open_bins, int) or self.max_open_bins < 1:
+            raise PlanError(f"Pack.max_open_bins must be a positive integer, got {self.max_open_bins!r}")
+        if self.max_segments is not None and (not isinstance(self.max_segments, int) or self.max_segments < 1):
+            raise PlanError(f"Pack.max_segments must be a positive integer, got {self.max_segments!r}")
+        if self.mode == "concat" and self.max_segments is not None:
+            raise PlanError("Pack(mode='concat') cuts rows every seq_len tokens whatever they hold; "
+                            "max_segments applies to first_fit/best_fit only.")
+        if self.names not in ("zephon", "maxtext"):
+            raise PlanError(f"Pack.names must be 'zephon' or 'maxtext', got {self.names!r}")
+
+    def config(self) -> dict[str, Any]:
+        return {"seq_len": self.seq_len, "mode": self.mode, "field": self.field,
+                "max_open_bins": self.max_open_bins, "pad_id": self.pad_id,
+                "max_segments": self.max_segments, "names": self.names, "dtype": self.dtype}
+
+    def max_pending(self) -> int:
+        return 1 if self.mode == "concat" else self.max_open_bins * self.seq_len + 1
+
+    # --- the operator ------------------------------------------------------------------------
+    def step(self, carry: Any, held: Columns, new: Columns, demand: int) -> Step:
+        if held and self.field not in held or new and self.field not in new:
+            have = sorted(held or new)
+            raise PlanError(f"Pack reads token column {self.field!r}, but the rows have {have}; "
+                            "tokenize first or set Pack(field=...).")
+        docs = list(held.get(self.field, ())) + list(new.get(self.field, ()))
+        h = len(held.get(self.field, ())) if held else 0
+        if self.mode == "concat":
+            rows, consumed, hold, carry = self._concat(carry, docs, h, demand)
+        else:
+            rows, consumed, hold, carry = self._fit(carry, docs, h, demand)
+        return Step(self._emit(docs, rows), consumed, hold, carry, rows)
+
+    def _concat(self, carry: Any, docs: list[np.ndarray], h: int, demand: int
+                ) -> tuple[list[list[Segment]], int, list[int], Any]:
+        L = self.seq_len
+        offset = int(carry["offset"]) if h and carry else 0
+        rows: list[list[Segment]] = []
+        cur: list[Segment] = []
+        room = L
+        q, o = 0, offset
+        while q < len(docs) and len(rows) < demand:
+            n = len(docs[q])
+            take = min(room, n - o)
+            if take > 0:
+                cur.append((q, o, o + take))
+            o += take
+            room -= take
+            if room == 0:
+                rows.append(cur)
+                cur, room = [], L
+            if o >= n:
+                q, o = q + 1, 0
+        # the documents of an unfinished row are offered again next time, with more after them
+        if cur:
+            q, o = cur[0][0], cur[0][1]
+        if q < len(docs) and o > 0:  # a document continues into the next row: hold it
+            consumed = q + 1 - h
+            return rows, consumed, [q], {"offset": o}
+        return rows, q - h if q >= h else 0, [], None
+
+    def _fit(self, carry: Any, docs: list[np.ndarray], h: int, demand: int
+             ) -> tuple[list[list[Segment]], int, list[int], Any]:
+        L = self.seq_len
+        cap = self.max_segments or L
+        bins: list[list[Segment]] = [[tuple(s) for s in b] for b in (carry or {}).get("bins", [])]
+        pending = (carry or {}).get("pending")
+        rows: list[list[Segment]] = []
+        used = [sum(e - s for _, s, e in b) for b in bins]
+        q, o = (pending[0], pending[1]) if pending else (h, 0)
+        while q < len(docs) and len(rows) < demand:
+            n = len(docs[q])
+            if n - o > L:  # a full row of one long document
+                rows.append([(q, o, o + L)])
+                o += L
+                continue
+            size = n - o
+            if size <= 0:
+                q, o = q + 1, 0
+                continue
+            fits = [i for i, u in enumerate(used) if L - u >= size and len(bins[i]) < cap]
+            if fits:
+                i = fits[0] if self.mode == "first_fit" else min(fits, key=lambda j: (L - used[j], j))
+            elif len(bins) < self.max_open_bins:
+                bins.append([])
+                used.append(0)
+                i = len(bins) - 1
+            else:  # all rows taken: the fullest (oldest on a tie) is emitted to make room
+                j = max(range(len(bins)), key=lambda k: (used[k], -k))
+                rows.append(bins.pop(j))
+                used.pop(j)
+                continue
+            bins[i].append((q, o, n))
+            used[i] += size
+            if used[i] == L or len(bins[i]) >= cap:
+                rows.append(bins.pop(i))
+                used.pop(i)
+            q, o = q + 1, 0
+        referenced = sorted({s[0] for b in bins for s in b} | ({q} if o > 0 and q < len(docs) else set()))
+        slot = {d: k for k, d in enumerate(referenced)}
+        new_carry = {"bins": [[[slot[d], s, e] for d, s, e in b] for b in bins],
+                     "pending": [slot[q], o] if o > 0 and q < len(docs) else None}
+        consumed = max(0, (q + (1 if o > 0 and q < len(docs) else 0)) - h)
+        if not bins and new_carry["pending"] is None:
+            new_carry = None
+        # the next call's queue puts held documents first, in this order: `slot` is their index
+        # there, and the pending document (the latest) comes last, just before the new ones
+        return rows, consumed, referenced, new_carry
+
+    # --- rows ----------------------------------------------------------------------------------
+    def _emit(self, docs: list[np.ndarray], rows: list[list[Segment]]) -> Columns:
+        L, R = self.seq_len, len(rows)
+        dt = np.dtype(self.dtype)
+        width = (self.max_segments or L) + 1
+        tokens = np.full((R, L), self.pad_id, dt)
+        targets = np.full((R, L), self.pad_id, dt)
+        seg = np.zeros((R, L), dt)
+        pos = np.zeros((R, L), dt)
+        mask = np.zeros((R, L), dt)
+        cu = np.zeros((R, width), dt)
+        for r, row in enumerate(rows):
+            at = 0
+            for k, (q, s, e) in enumerate(row):
+                d = docs[q]
+                n = e - s
+                tokens[r, at:at + n] = d[s:e]
+                nxt = d[s + 1:e + 1]
+                targets[r, at:at + len(nxt)] = nxt
+                mask[r, at:at + len(nxt)] = 1
+                seg[r, at:at + n] = k + 1
+                pos[r, at:at + n] = np.arange(n)
+                at += n
+                cu[r, k + 1] = at
+            cu[r, len(row) + 1:] = at
+        if self.names == "maxtext":
+            return {"inputs": tokens, "targets": targets, "inputs_segmentation": seg,
+                    "targets_segmentation": seg * mask, "inputs_position": pos,
+                    "targets_position": pos}
+        return {"tokens": tokens, "targets": targets, "segment_ids": seg, "positions": pos,
+                "loss_mask": mask, "cu_seqlens": cu}
+
+
+def padding(batch: Columns) -> float:
+    """Fraction of padding tokens in packed rows (segment id 0)."""
+    seg = batch.get("segment_ids", batch.get("inputs_segmentation"))
+    if seg is None:
+        raise PlanError("padding() needs packed rows (segment_ids or inputs_segmentation)")
+    return float((np.asarray(seg) == 0).mean())

@@ -1,0 +1,181 @@
+"""Online tokenization as a row operator: text in, int32 token ids out, batched.
+
+A read window's texts are encoded with one `Tokenizer.encode_batch` call (HF `tokenizers`, Rust,
+parallel), so tokenizing runs at the tokenizer's own speed and on whichever runner computes the
+window. The tokenizer is part of the operator's identity (a hash of its JSON), so a checkpoint
+taken with one tokenizer is refused under another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field as dc_field
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import numpy as np
+
+from zephon.errors import DecodeError, PlanError
+from zephon.ops.base import Transform, fn_name
+from zephon.plan import Refs
+from zephon.sources.base import Columns
+
+
+def _load_hf(spec: Any) -> Any:
+    try:
+        import tokenizers
+    except ImportError as e:  # pragma: no cover - the [lm] extra
+        raise PlanError("Tokenize needs Hugging Face `tokenizers`: pip install 'zephon[lm]'") from e
+    if isinstance(spec, tokenizers.Tokenizer):
+        return spec
+    path = os.fspath(spec)
+    if not os.path.exists(path):
+        raise PlanError(f"no tokenizer file at {path}; pass the path of a tokenizer.json (there is no "
+                        "model hub here: train one with zephon.textdata.train_bpe and save it).")
+    try:
+        return tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - named for the user
+        raise PlanError(f"{path} is not a tokenizers JSON file ({e}); save one with "
+                        "Tokenizer.save(path).") from e
+
+
+@dataclass(frozen=True, eq=False)
+class Tokenize(Transform):
+    """Encodes column `field` (str or UTF-8 bytes) into int32 ids in column `output`.
+
+    Args:
+      tokenizer: a `tokenizers.Tokenizer`, the path of a `tokenizer.json`, or any callable
+        `str -> sequence of ints` (then give `name=` and bump `version=` when it changes).
+      field: the text column; output: the token column (object array of int32 arrays).
+      bos, eos: ids added at the start / end of every document (None: not added).
+      max_tokens: longest document kept whole; longer ones are `split` into pieces of at most
+        `max_tokens` (no token lost; each piece its own row) or `truncate`d (the number cut goes
+        to column `truncated`). None: no limit (packing splits long documents itself).
+      keep_text: keep the text column next to the tokens.
+    """
+
+    tokenizer: Any
+    field: str = "text"
+    output: str = "tokens"
+    bos: int | None = None
+    eos: int | None = None
+    max_tokens: int | None = None
+    overflow: Literal["split", "truncate"] = "split"
+    keep_text: bool = False
+    name: str | None = None
+    version: int = 1
+    params: Mapping[str, Any] = dc_field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.overflow not in ("split", "truncate"):
+            raise PlanError(f"Tokenize.overflow must be 'split' or 'truncate', got {self.overflow!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise PlanError(f"Tokenize.max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if callable(self.tokenizer) and not hasattr(self.tokenizer, "encode_batch"):
+            object.__setattr__(self, "_json", None)
+            object.__setattr__(self, "_hf", None)
+        else:
+            tok = _load_hf(self.tokenizer)
+            object.__setattr__(self, "_json", tok.to_str())
+            object.__setattr__(self, "_hf", tok)
+
+    # the HF tokenizer travels to worker processes as its JSON
+    def __getstate__(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        if d.get("_json") is not None:
+            d["tokenizer"] = None
+            d["_hf"] = None
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+
+    def _encoder(self) -> Any:
+        if self._json is None:  # type: ignore[attr-defined]
+            return None
+        if self._hf is None:  # type: ignore[attr-defined]
+            import tokenizers
+
+            object.__setattr__(self, "_hf", tokenizers.Tokenizer.from_str(self._json))  # type: ignore[attr-defined]
+        return self._hf  # type: ignore[attr-defined]
+
+    @property
+    def expands(self) -> bool:  # type: ignore[override]
+        return self.max_tokens is not None and self.overflow == "split"
+
+    @property
+    def one_to_one(self) -> bool:  # type: ignore[override]
+        return not self.expands
+
+    @property
+    def op_name(self) -> str:
+        if self.name:
+            return self.name
+        return "Tokenize" if self._json is not None else f"Tokenize({fn_name(self.tokenizer)})"  # type: ignore[attr-defined]
+
+    def config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {"field": self.field, "output": self.output, "bos": self.bos,
+                               "eos": self.eos, "max_tokens": self.max_tokens,
+                               "overflow": self.overflow, "keep_text": self.keep_text, **self.params}
+        if self._json is not None:  # type: ignore[attr-defined]
+            cfg["tokenizer_sha256"] = hashlib.sha256(self._json.encode()).hexdigest()[:16]  # type: ignore[attr-defined]
+        return cfg
+
+    def _texts(self, cols: Columns, refs: Refs) -> list[str]:
+        if self.field not in cols:
+            raise PlanError(f"Tokenize reads text column {self.field!r}, but the rows have "
+                            f"{sorted(cols)}; set Tokenize(field=...).")
+        out: list[str] = []
+        for i, t in enumerate(cols[self.field]):
+            if isinstance(t, (bytes, bytearray, np.bytes_)):
+                try:
+                    t = bytes(t).decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DecodeError(f"record {int(refs.record[i])} of source {int(refs.source[i])}: "
+                                      f"field {self.field!r} is not UTF-8 ({e}); fix the record or "
+                                      "decode it with a Map before Tokenize.") from None
+            elif not isinstance(t, str):
+                raise DecodeError(f"record {int(refs.record[i])} of source {int(refs.source[i])}: "
+                                  f"field {self.field!r} is {type(t).__name__}, not text.")
+            out.append(t)
+        return out
+
+    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Token ids of each text (with BOS/EOS), as int32 arrays."""
+        hf = self._encoder()
+        if hf is not None:
+            fast = getattr(hf, "encode_batch_fast", None) or hf.encode_batch
+            ids = [e.ids for e in fast(list(texts), add_special_tokens=False)]
+        else:
+            ids = [list(self.tokenizer(t)) for t in texts]
+        head = [self.bos] if self.bos is not None else []
+        tail = [self.eos] if self.eos is not None else []
+        return [np.array(head + x + tail if head or tail else x, dtype=np.int32) for x in ids]
+
+    def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, np.ndarray | None]:
+        toks = self.encode(self._texts(cols, refs))
+        rest = {k: v for k, v in cols.items() if k != self.field or self.keep_text}
+        m = self.max_tokens
+        if m is None or not any(len(t) > m for t in toks):
+            out = {**rest, self.output: _objects(toks)}
+            if m is not None and self.overflow == "truncate":
+                out["truncated"] = np.zeros(len(toks), np.int32)
+            return out, None
+        if self.overflow == "truncate":
+            cut = np.array([max(0, len(t) - m) for t in toks], np.int32)
+            return {**rest, self.output: _objects([t[:m] for t in toks]), "truncated": cut}, None
+        pieces: list[np.ndarray] = []
+        rows: list[int] = []
+        for i, t in enumerate(toks):
+            for s in range(0, max(len(t), 1), m):
+                pieces.append(t[s:s + m])
+                rows.append(i)
+        idx = np.asarray(rows, np.int64)
+        return {**{k: v[idx] for k, v in rest.items()}, self.output: _objects(pieces)}, idx
+
+
+def _objects(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    out = np.empty(len(arrays), dtype=object)
+    for i, a in enumerate(arrays):
+        out[i] = a
+    return out
