@@ -7,8 +7,7 @@ Three modes, all deterministic and all losing no token:
   lane — also across steps and across a stop/resume, because the carry names it (its position in
   the lane and a token offset). No padding except at the end of a finite plan.
 - `first_fit` / `best_fit`: up to `max_open_bins` rows are open; each document goes into the
-  first (or the tightest) open row it fits, else a new row opens, closing the fullest one when
-  all are taken. Documents longer than `seq_len` are split into full rows plus a remainder that
+  first (or the tightest) open row it fits, else a new row opens; when all are taken the oldest open row is emitted (so no document waits long). Documents longer than `seq_len` are split into full rows plus a remainder that
   is packed like any document (never dropped, never truncated).
 
 Rows come with `targets` (the next token of the same document; a document's last token has no
@@ -150,10 +149,9 @@ class Pack(Accumulator):
                 bins.append([])
                 used.append(0)
                 i = len(bins) - 1
-            else:  # all rows taken: the fullest (oldest on a tie) is emitted to make room
-                j = max(range(len(bins)), key=lambda k: (used[k], -k))
-                rows.append(bins.pop(j))
-                used.pop(j)
+            else:  # all rows taken: the oldest is emitted to make room (bounds how long a
+                rows.append(bins.pop(0))  # document waits: at most max_open_bins evictions)
+                used.pop(0)
                 continue
             bins[i].append((q, o, n))
             used[i] += size
