@@ -500,3 +500,93 @@ def test_jsonl_non_utf8_and_foreign_files_are_named(tmp_path):
     write_array_record(tmp_path / "x.array_record", [b"\x00\x01" * 50] * 10)
     with pytest.raises(DecodeError, match=r"x\.array_record: .*looks like a binary file"):
         JsonlSource(tmp_path / "x.array_record")
+
+
+# ---------------------------------------------------------------- consumer SIGKILL
+
+CONSUMER = textwrap.dedent("""
+    import os, sys, threading, time
+    import numpy as np
+    from zephon import Loader, Map, Source
+    from zephon.runners import processes
+    from zephon.sources import ArraySource
+
+    def work(cols):  # workers are busy most of the time: kills land mid-batch
+        time.sleep(60 if sys.argv[1] == "stuck" and os.getpid() != int(sys.argv[2]) else 0.01)
+        return cols
+
+    if __name__ == "__main__":
+        sys.argv.append(str(os.getpid()))
+        src = ArraySource({"x": np.arange(701 * 512, dtype=np.float32).reshape(701, 512)})
+        plan = Source(701).shuffle(5).repeat().lanes(8).batch(32)
+        loader = Loader(plan, src, [Map(work, batched=True)], runner=processes(2), read_ahead=64)
+
+        def announce():  # the workers' pids, as soon as they run
+            while len(loader.runner.pids) < 2:
+                time.sleep(0.01)
+            print(" ".join(map(str, loader.runner.pids)), flush=True)
+
+        threading.Thread(target=announce, daemon=True).start()
+        kept = []
+        for batch in loader:
+            kept = (kept + [batch])[-20:]  # batches alive in shared memory
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _zephon_memory_of(consumer: int) -> list[str]:
+    """/dev/shm segments of that consumer, and mappings of its slots in any process."""
+    found = [n for n in os.listdir("/dev/shm") if n.startswith(f"zephon-{consumer}-")]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if f"zephon-{consumer}-" in f.read():
+                    found.append(f"mapped in pid {pid}")
+        except OSError:
+            pass
+    return found
+
+
+def test_consumer_sigkill_leaves_no_shared_memory_and_no_worker(tmp_path):
+    script = tmp_path / "consumer.py"
+    script.write_text(CONSUMER)
+    rng = random.Random(0)
+    trials = [("busy", "consumer")] * 4 + [("stuck", "consumer"), ("busy", "group")]
+    left, orphans = [], []
+    for mode, target in trials:
+        proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE,
+                                text=True, cwd=ROOT, start_new_session=True)
+        try:
+            with deadline(60):
+                workers = [int(p) for p in proc.stdout.readline().split()]
+            assert len(workers) == 2, "the consumer did not start"
+            time.sleep(rng.uniform(0.05, 0.3))
+            if target == "group":  # consumer, workers, forkserver and resource tracker at once
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+            end = time.monotonic() + 5  # workers notice within milliseconds; bounded anyway
+            while time.monotonic() < end and (any(map(_alive, workers)) or _zephon_memory_of(proc.pid)):
+                time.sleep(0.05)
+            left.append(_zephon_memory_of(proc.pid))
+            orphans.append([w for w in workers if _alive(w)])
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            for w in orphans[-1] if orphans else ():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w, signal.SIGKILL)
+    report(f"consumer SIGKILL: {len(trials)} kills ({sum(t == 'group' for _, t in trials)} of the "
+           f"whole process group, 1 with workers stuck in a 60 s item): "
+           f"{sum(map(len, left))} segments or mappings left, {sum(map(len, orphans))} workers left")
+    assert left == [[]] * len(trials)
+    assert orphans == [[]] * len(trials)

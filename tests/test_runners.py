@@ -103,7 +103,20 @@ def deadline(seconds):
 
 
 def shm_segments(names):
+    """Segments anyone could still reach by name: none ever (slots are anonymous memory)."""
     return [n for n in names if os.path.exists(f"/dev/shm/{n}")]
+
+
+def mapped_segments(names, pids=("self",)):
+    """Segments whose memory is still mapped (so alive) in one of `pids`."""
+    maps = ""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps += f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return [n for n in names if n in maps]
 
 
 def alive(pids):
@@ -233,21 +246,24 @@ def test_close_and_garbage_collection_leave_no_process_or_segment():
     loader = Loader(plan(), src, runner=processes(2), read_ahead=64)
     kept = [next(loader) for _ in range(12)]  # batches living in shared memory
     pids, segments = loader.runner.pids, loader.runner.segments
-    assert len(alive(pids)) == 2 and shm_segments(segments)
+    assert len(alive(pids)) == 2 and mapped_segments(segments) and shm_segments(segments) == []
     loader.close()
-    assert alive(pids) == [] and shm_segments(segments) == []
-    # batches the caller kept stay valid after their segments are unlinked
+    assert alive(pids) == [] and loader.runner.segments == []
+    # batches the caller kept stay valid after their slots are released
     ref = Loader(plan(), src)
     assert all(np.array_equal(b.data["x"], ref.batch(b.step).data["x"]) for b in kept)
+    del kept
+    gc.collect()
+    assert mapped_segments(segments) == []  # the memory went with the last batch viewing it
 
     dropped = Loader(plan(), src, runner=processes(2), read_ahead=64)
     for _ in range(12):
         next(dropped)
     pids, segments = dropped.runner.pids, dropped.runner.segments
-    assert shm_segments(segments)
-    del dropped  # no close(): collecting the loader ends its workers and unlinks its memory
+    assert mapped_segments(segments, ["self", *pids])
+    del dropped  # no close(): collecting the loader ends its workers and frees its memory
     gc.collect()
-    assert alive(pids) == [] and shm_segments(segments) == []
+    assert alive(pids) == [] and mapped_segments(segments) == [] and shm_segments(segments) == []
 
 
 def test_unpicklable_step_function_is_a_clear_error():

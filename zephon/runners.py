@@ -16,7 +16,14 @@ worker count be chosen for speed alone.
   reused only after every array viewing it has been garbage collected, so batches a caller keeps
   are never overwritten. A worker that dies raises `WorkerError` in the consumer (the consumer
   waits on the workers' process sentinels, never on a bare blocking get), and `close()`,
-  garbage collection and interpreter exit terminate the workers and unlink every segment.
+  garbage collection and interpreter exit terminate the workers and release every slot.
+
+Shared memory has no name: a slot is an anonymous memory file (`memfd_create`; elsewhere a POSIX
+segment unlinked the instant it is created) whose descriptor travels over the worker's socket
+(SCM_RIGHTS). Nothing is ever left in /dev/shm, whatever kills the consumer or the workers
+(SIGKILL, the OOM killer, a whole process group killed): the kernel frees a slot's memory when the
+last process mapping it ends. Workers also watch the consumer (a pidfd) and exit as soon as it
+dies, so orphaned workers do not keep their slots alive.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import secrets
+import select
 import signal
+import socket
 import threading
 import traceback
 import weakref
@@ -135,38 +144,56 @@ class Threads:
 
 
 # --- shared-memory slots ------------------------------------------------------------------------
-def _shm_module() -> Any:
-    import _posixshmem  # the POSIX shm_open/shm_unlink binding multiprocessing.shared_memory uses
+def _anonymous_segment(label: str, size: int) -> int:
+    """A descriptor of `size` bytes of shared memory that has no name anyone could leak.
 
-    return _posixshmem
-
-
-def _map_segment(name: str, size: int, create: bool) -> mmap.mmap:
-    """Maps a POSIX shared-memory segment (creating it with `size` bytes if `create`).
-
-    Plain shm_open + mmap rather than `SharedMemory`: attaching a `SharedMemory` registers it with
-    the resource tracker in every process (which then unlinks or warns), and its close() fails
-    while a caller still holds arrays on it.
+    Linux: `memfd_create` (the label only shows in /proc/<pid>/maps). Elsewhere: a POSIX segment
+    unlinked right after it is created, through `_posixshmem`, the private CPython binding of
+    shm_open/shm_unlink that `multiprocessing.shared_memory` itself uses (the public
+    `SharedMemory` cannot unlink a segment it keeps open, and registers it with the resource
+    tracker). Only a SIGKILL between those two calls, in the creating process, could leave a name.
     """
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = _shm_module().shm_open("/" + name, flags, mode=0o600)
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(label, getattr(os, "MFD_CLOEXEC", 0))
+    else:  # pragma: no cover - macOS and other POSIX systems without memfd
+        import _posixshmem
+
+        fd = _posixshmem.shm_open("/" + label, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode=0o600)
+        _posixshmem.shm_unlink("/" + label)
     try:
-        if create:
-            os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
+        os.ftruncate(fd, size)
     except BaseException:
-        if create:
-            _unlink(name)
+        os.close(fd)
         raise
+    return fd
+
+
+def _map_fd(fd: int, size: int) -> mmap.mmap:
+    """Maps a segment's descriptor, then closes it (the mapping keeps the memory alive)."""
+    try:
+        return mmap.mmap(fd, size)
     finally:
         os.close(fd)
 
 
-def _unlink(name: str) -> None:
-    try:
-        _shm_module().shm_unlink("/" + name)
-    except FileNotFoundError:
-        pass
+def _fd_socket(conn: mpc.Connection) -> socket.socket:
+    """A socket object over a duplex Pipe's socketpair end, for passing descriptors."""
+    return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno()))
+
+
+def _send_fd(sock: socket.socket, fd: int) -> None:
+    socket.send_fds(sock, [b"F"], [fd])
+
+
+def _recv_fd(sock: socket.socket) -> int:
+    """The next descriptor on `sock`; EOFError when the peer is gone."""
+    data, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if not fds:
+        raise EOFError("the peer closed the connection before sending a shared-memory descriptor")
+    for extra in fds[1:]:
+        os.close(extra)
+    os.set_inheritable(fds[0], False)  # a subprocess must not keep the memory alive
+    return fds[0]
 
 
 def _slot_size(needed: int) -> int:
@@ -179,6 +206,14 @@ class _Slot:
     name: str
     size: int
     mm: mmap.mmap
+    fd: int  # kept open to lend the slot to a worker that has not mapped it yet
+    dead: bool = False  # destroyed: when its last view dies, its memory goes, it is not reused
+
+
+def _return_slot(returned: deque[_Slot], slot: _Slot) -> None:
+    """A slot's last view died (any thread): queue it for reuse, unless the pool dropped it."""
+    if not slot.dead:
+        returned.append(slot)
 
 
 class _SlotPool:
@@ -190,8 +225,8 @@ class _SlotPool:
     last array viewing it is garbage collected (`weakref.finalize` on the per-use holder array
     every result array is based on), so a batch the caller keeps is never overwritten. The
     finalizer, which may run in any thread, only queues the slot; the pool itself is changed in
-    the consumer's thread alone. Adopted slots are registered with multiprocessing's resource
-    tracker, so even a consumer killed by SIGKILL leaves no segment behind.
+    the consumer's thread alone. Slots are anonymous (see `_anonymous_segment`): their memory
+    goes with the last process that maps them, so no death of any process leaves one behind.
     """
 
     def __init__(self) -> None:
@@ -201,7 +236,7 @@ class _SlotPool:
         self._returned: deque[_Slot] = deque()  # appended by finalizers (atomic)
         self._needed = 0                         # largest slot a result needed, in bytes
         self._counter = itertools.count()
-        self.retired: list[str] = []             # unlinked names workers should unmap
+        self.retired: list[str] = []             # destroyed slots workers should unmap
 
     def names(self) -> list[str]:
         return list(self._slots)
@@ -217,12 +252,14 @@ class _SlotPool:
         best = max(range(len(self._free)), key=lambda i: self._free[i].size)
         return self._free.pop(best)
 
-    def adopt(self, name: str, size: int) -> _Slot:
-        """Takes ownership of a segment a worker created for us."""
-        from multiprocessing import resource_tracker
-
-        slot = _Slot(name, size, _map_segment(name, size, create=False))
-        resource_tracker.register("/" + name, "shared_memory")
+    def adopt(self, name: str, size: int, fd: int) -> _Slot:
+        """Takes ownership of a segment a worker created for us (and sent the descriptor of)."""
+        try:
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        slot = _Slot(name, size, mm, fd)
         self._slots[name] = slot
         self._needed = max(self._needed, size)
         return slot
@@ -238,7 +275,7 @@ class _SlotPool:
     def view(self, slot: _Slot) -> np.ndarray:
         """A fresh holder array over the slot; the slot comes back when it (and views) die."""
         holder = np.frombuffer(slot.mm, dtype=np.uint8)
-        weakref.finalize(holder, self._returned.append, slot)
+        weakref.finalize(holder, _return_slot, self._returned, slot)
         return holder
 
     def _collect(self) -> None:
@@ -246,12 +283,10 @@ class _SlotPool:
             self.release(self._returned.popleft())
 
     def _destroy(self, slot: _Slot) -> None:
-        from multiprocessing import resource_tracker
-
+        slot.dead = True
         del self._slots[slot.name]
         self.retired.append(slot.name)
-        _unlink(slot.name)
-        resource_tracker.unregister("/" + slot.name, "shared_memory")
+        os.close(slot.fd)
         try:
             slot.mm.close()
         except BufferError:
@@ -267,9 +302,10 @@ class _SlotPool:
 
 # --- worker side --------------------------------------------------------------------------------
 def _pack(result: Any, slot: tuple[str, int] | None, fresh: str,
-          maps: dict[str, mmap.mmap]) -> tuple[Any, ...]:
+          maps: dict[str, mmap.mmap]) -> tuple[tuple[Any, ...], int | None]:
     """Pickles `result` with its large array buffers placed in shared memory (protocol 5, out of
-    band): in `slot` if they fit, else in a new segment named `fresh`."""
+    band): in `slot` if they fit, else in a new segment labelled `fresh`, whose descriptor is
+    returned with the reply for the caller to send after it."""
     buffers: list[memoryview] = []
 
     def out_of_band(pb: pickle.PickleBuffer) -> bool:
@@ -281,22 +317,27 @@ def _pack(result: Any, slot: tuple[str, int] | None, fresh: str,
 
     payload = pickle.dumps(result, protocol=5, buffer_callback=out_of_band)
     if not buffers:
-        return ("ok", payload, (), None, 0)
+        return ("ok", payload, (), None, 0), None
     spans, offset = [], 0
     for raw in buffers:
         spans.append((offset, raw.nbytes))
         offset += -(-raw.nbytes // _ALIGN) * _ALIGN
+    fd = None
     if slot is not None and slot[1] >= offset:
         name, created = slot[0], 0
-        mm = maps.get(name)
-        if mm is None:
-            mm = maps[name] = _map_segment(name, slot[1], create=False)
+        mm = maps[name]  # the consumer sent its descriptor before lending it to us
     else:
         name, created = fresh, _slot_size(offset)
-        mm = maps[name] = _map_segment(name, created, create=True)
+        fd = _anonymous_segment(name, created)
+        try:
+            mm = mmap.mmap(fd, created)
+        except BaseException:
+            os.close(fd)
+            raise
+        maps[name] = mm
     for (start, nbytes), raw in zip(spans, buffers):
         mm[start:start + nbytes] = raw
-    return ("ok", payload, tuple(spans), name, created)
+    return ("ok", payload, tuple(spans), name, created), fd
 
 
 def _picklable_error(exc: BaseException) -> bytes | None:
@@ -308,12 +349,32 @@ def _picklable_error(exc: BaseException) -> bytes | None:
         return None
 
 
-def _worker_main(conn: mpc.Connection, index: int) -> None:
+def _watch_consumer(pid: int) -> None:
+    """Ends this worker the moment the consumer process ends, whatever it is doing.
+
+    The consumer's end of the pipe closing also ends an idle worker, but a worker busy with a
+    long item would otherwise run on (holding its memory) until it next talks to the pipe.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):  # no pidfd (not Linux >= 5.3): the pipe's EOF still ends us
+        return
+    select.select([fd], [], [])
+    os._exit(0)
+
+
+def _worker_main(conn: mpc.Connection, index: int, consumer: int | None = None) -> None:
     """A worker: receives the function once, then items; replies in order on its own pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
+    if consumer is not None:
+        threading.Thread(target=_watch_consumer, args=(consumer,), daemon=True,
+                         name="zephon-watch-consumer").start()
     fn: Callable[[Any], Any] | None = None
     fn_error: BaseException | None = None
     maps: dict[str, mmap.mmap] = {}
+    sock = _fd_socket(conn)
     while True:
         try:
             msg = conn.recv()
@@ -327,21 +388,32 @@ def _worker_main(conn: mpc.Connection, index: int) -> None:
             except BaseException as e:  # noqa: BLE001 - reported with every task instead
                 fn, fn_error = None, e
             continue
-        _, item, slot, fresh, retired = msg
+        _, item, slot, fresh, retired, lent = msg
         for name in retired:
             old = maps.pop(name, None)
             if old is not None:
                 old.close()
+        if lent:  # the descriptor of a slot we have not mapped follows the message
+            try:
+                maps[slot[0]] = _map_fd(_recv_fd(sock), slot[1])
+            except (EOFError, OSError):
+                return
+        fd = None
         try:
             if fn_error is not None:
                 raise fn_error
-            reply = _pack(fn(item), slot, fresh, maps)  # type: ignore[misc]
+            reply, fd = _pack(fn(item), slot, fresh, maps)  # type: ignore[misc]
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the consumer
             reply = ("err", _picklable_error(e), f"{type(e).__name__}: {e}", traceback.format_exc())
         try:
             conn.send(reply)
+            if fd is not None:
+                _send_fd(sock, fd)
         except (BrokenPipeError, OSError):
             return
+        finally:
+            if fd is not None:
+                os.close(fd)  # our mapping (in `maps`) keeps the memory
 
 
 # --- processes ----------------------------------------------------------------------------------
@@ -367,9 +439,11 @@ class _Task:
 class _Worker:
     process: Any
     conn: mpc.Connection
+    sock: socket.socket  # the same socketpair end as `conn`, for descriptors
     inflight: deque[_Task] = field(default_factory=deque)
     has_fn: bool = False
     retired_seen: int = 0
+    mapped: set[str] = field(default_factory=set)  # slots this worker has mapped
 
 
 _LIVE: "weakref.WeakSet[Processes]" = weakref.WeakSet()
@@ -457,16 +531,17 @@ class Processes:
         if self.start_method == "forkserver":
             ctx.set_forkserver_preload(["numpy", "zephon.runners"])
         for i in range(self.workers):
-            parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_worker_main, args=(child, i), daemon=True,
+            parent, child = ctx.Pipe(duplex=True)  # a socketpair: it can carry descriptors
+            proc = ctx.Process(target=_worker_main, args=(child, i, os.getpid()), daemon=True,
                                name=f"zephon-worker-{i}")
             proc.start()
             child.close()
-            self._workers.append(_Worker(proc, parent))
+            self._workers.append(_Worker(proc, parent, _fd_socket(parent)))
         log.debug("%r started workers %s", self, self.pids)
 
     def close(self) -> None:
-        """Stops the workers (stop message, then SIGTERM, then SIGKILL) and unlinks every slot."""
+        """Stops the workers (stop message, then SIGTERM, then SIGKILL) and releases every slot
+        (its memory goes when the last array viewing it does)."""
         workers, self._workers = self._workers, []
         for w in workers:
             try:
@@ -482,8 +557,7 @@ class Processes:
                 w.process.kill()
                 w.process.join(timeout=2)
             w.conn.close()
-            for task in w.inflight:  # a worker may have made a segment it never reported
-                _unlink(task.fresh)
+            w.sock.close()
         self._pool.close()
         self._fn, self._fn_blob = None, None
         self._generation += 1
@@ -559,8 +633,16 @@ class Processes:
         slot, fresh = self._pool.acquire(), self._pool.fresh_name()
         retired = self._pool.retired[w.retired_seen:]
         w.retired_seen = len(self._pool.retired)
+        w.mapped.difference_update(retired)
+        lend = slot is not None and slot.name not in w.mapped
         w.inflight.append(_Task(index, slot, fresh))
-        self._send(w, ("task", item, (slot.name, slot.size) if slot else None, fresh, retired))
+        self._send(w, ("task", item, (slot.name, slot.size) if slot else None, fresh, retired, lend))
+        if lend:
+            try:
+                _send_fd(w.sock, slot.fd)  # type: ignore[union-attr]
+            except OSError as e:
+                raise self._death(w, "accepting work") from e
+            w.mapped.add(slot.name)  # type: ignore[union-attr]
         return w
 
     def _send(self, w: _Worker, msg: tuple[Any, ...]) -> None:
@@ -578,6 +660,10 @@ class Processes:
             if w.conn in ready:
                 try:
                     msg = w.conn.recv()
+                    if msg[0] == "ok" and msg[4]:  # a new segment: its descriptor follows
+                        fd = _recv_fd(w.sock)
+                        msg = (*msg, fd)
+                        w.mapped.add(msg[3])
                 except (EOFError, OSError) as e:
                     raise self._death(w, f"computing item {task.index}") from e
                 break
@@ -595,17 +681,17 @@ class Processes:
 
     def _unpack(self, msg: tuple[Any, ...], task: _Task) -> Any:
         if msg[0] == "ok":
-            _, payload, spans, name, created = msg
+            _, payload, spans, name, created, *fd = msg
             if not spans:
                 self._give_back(task.slot)
-                return pickle.loads(payload)
+                return self._loads(payload, task)
             if created:
-                slot = self._pool.adopt(name, created)
+                slot = self._pool.adopt(name, created, fd[0])
                 self._give_back(task.slot)
             else:
                 slot = task.slot  # type: ignore[assignment]
             holder = self._pool.view(slot)
-            return pickle.loads(payload, buffers=[holder[o:o + n] for o, n in spans])
+            return self._loads(payload, task, [holder[o:o + n] for o, n in spans])
         self._give_back(task.slot)
         _, blob, summary, tb = msg
         remote = RemoteTraceback(tb)
@@ -613,6 +699,16 @@ class Processes:
             raise pickle.loads(blob) from remote
         raise WorkerError(f"a worker raised {summary} (the exception could not be pickled back); "
                           "see the worker traceback above.") from remote
+
+    @staticmethod
+    def _loads(payload: bytes, task: _Task, buffers: list[Any] | None = None) -> Any:
+        try:
+            return pickle.loads(payload, buffers=buffers)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure is the same problem
+            raise WorkerError(f"the result of item {task.index} came back from a worker but cannot "
+                              f"be unpickled here ({type(e).__name__}: {e}). Results must be "
+                              "made of types this process can import (numpy arrays, dicts, "
+                              "module-level classes).") from e
 
     def _give_back(self, slot: _Slot | None) -> None:
         if slot is not None:
@@ -667,6 +763,9 @@ def processes(workers: int | None = None, *, depth: int | None = None,
 def from_spec(spec: str) -> Runner:
     """'inline', 'threads', 'threads:4', 'processes', 'processes:2' -> a runner (CLI, benchmarks)."""
     name, _, count = spec.partition(":")
+    if count and not count.isdigit():
+        raise ValueError(f"runner {spec!r}: the worker count {count!r} is not a number; use e.g. "
+                         "'threads:4' or 'processes:2'")
     n = int(count) if count else None
     if name == "inline" and not count:
         return Inline()
