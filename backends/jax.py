@@ -155,13 +155,22 @@ def plan_layout(plan: Batch, sharding: NamedSharding, process: int | None = None
     return dp
 
 
+def _jax_dtype(dtype: np.dtype) -> bool:
+    """Whether JAX holds `dtype` (bfloat16 and the float8 types are numpy 'V' kinds)."""
+    try:
+        jax.dtypes.canonicalize_dtype(dtype)
+        return dtype.names is None and dtype.itemsize <= 8
+    except TypeError:
+        return False
+
+
 def device_dtype_array(name: str, arr: np.ndarray) -> np.ndarray:
     """`arr` in the dtype JAX will hold it in, refusing what JAX cannot hold or would corrupt.
 
     Without `jax_enable_x64`, JAX narrows 64-bit values silently; integers that do not fit would
     wrap, so they are an error here rather than wrong data on device.
     """
-    if arr.dtype.kind in "OUSV":
+    if arr.dtype.kind in "OUS" or (arr.dtype.kind == "V" and not _jax_dtype(arr.dtype)):
         raise PlanError(
             f"field {name!r} has dtype {arr.dtype} (bytes, strings or ragged values), which cannot "
             "become a jax.Array; map it to fixed-size numeric arrays with a transform (tokenize and "
@@ -322,7 +331,8 @@ class JaxLoader:
     def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
                  transforms: Sequence[Transform] = (), *, mesh: Mesh | None = None,
                  batch_axes: BatchAxes = "data", sharding: Shardings | None = None, prefetch: int = 2,
-                 exclude: Sequence[str] = (), seed: int = 0, runner: Any = None, start_step: int = 0) -> None:
+                 exclude: Sequence[str] = (), seed: int = 0, runner: Any = None, start_step: int = 0,
+                 **loader_options: Any) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("JaxLoader needs a complete plan: stream.lanes(L).batch(B)")
         if (mesh is None) == (sharding is None):
@@ -337,7 +347,8 @@ class JaxLoader:
                  self.layout.rank, self.layout.world, _describe(first))
         self.prefetch = prefetch
         self._loader = Loader(plan, sources, transforms, seed=seed, rank=self.layout.rank,
-                              world=self.layout.world, runner=runner, start_step=start_step)
+                              world=self.layout.world, runner=runner, start_step=start_step,
+                              **loader_options)
         self._state = self._loader.position()
         self._prefetcher: _Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None

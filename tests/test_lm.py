@@ -281,3 +281,49 @@ def test_explain_names_each_segment(corpora):
     assert len(rows) == 8 and all(r["segments"] for r in rows)
     s = rows[0]["segments"][0]
     assert set(s) == {"source", "record", "epoch", "tokens"}
+
+
+def to_bf16_mask(cols):
+    import ml_dtypes
+
+    return {**cols, "loss_mask": cols["loss_mask"].astype(ml_dtypes.bfloat16)}
+
+
+def test_packed_batches_identical_in_numpy_jax_and_torch(corpora):
+    """The same packed global batches as numpy arrays, sharded jax.Arrays (two meshes) and torch
+    tensors; a bf16 field made after packing passes through to JAX and torch unchanged."""
+    import jax
+    import torch
+    from jax.sharding import Mesh
+
+    from zephon import Map
+    from zephon.backends.jax import JaxLoader
+    from zephon.backends.torch import TorchLoader
+
+    prose, _, tok = corpora
+    src = ArraySource({"text": objects(prose)})
+    p = plan_one(len(prose), lanes=8, batch=16)
+    ops = pipeline(tok) + [Map(to_bf16_mask, batched=True)]
+    ref = []
+    l = Loader(p, src, ops)
+    for _ in range(5):
+        ref.append(next(l).data)
+    assert ref[0]["loss_mask"].dtype.name == "bfloat16"
+    devices = np.array(jax.devices()[:8])
+    for shape, axes in (((8,), ("data",)), ((2, 4), ("data", "fsdp"))):
+        mesh = Mesh(devices.reshape(shape), axes)
+        with JaxLoader(p, src, ops, mesh=mesh, batch_axes=axes) as jl:
+            for k in range(5):
+                got = next(jl)
+                for f, v in ref[k].items():
+                    assert got[f].dtype == v.dtype and np.array_equal(np.asarray(got[f]), v), (shape, f)
+    tl = TorchLoader(p, src, pipeline(tok), dtypes={"loss_mask": torch.bfloat16})
+    for k in range(5):
+        got = next(tl)
+        for f, v in ref[k].items():
+            t = got[f]
+            if f == "loss_mask":
+                assert t.dtype == torch.bfloat16
+                assert np.array_equal(t.float().numpy(), v.astype(np.float32))
+            else:
+                assert np.array_equal(t.numpy(), v)

