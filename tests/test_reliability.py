@@ -590,3 +590,47 @@ def test_consumer_sigkill_leaves_no_shared_memory_and_no_worker(tmp_path):
            f"{sum(map(len, left))} segments or mappings left, {sum(map(len, orphans))} workers left")
     assert left == [[]] * len(trials)
     assert orphans == [[]] * len(trials)
+
+
+# ---------------------------------------------------------------- foreign files, bad arguments
+
+def test_every_source_names_a_foreign_file_and_never_raises_a_raw_builtin(tmp_path):
+    from zephon.sources import (ArrayRecordSource, JsonlSource, ParquetSource, write_array_record,
+                                write_parquet)
+
+    write_parquet(tmp_path / "f.parquet", {"a": np.arange(10)}, row_group_size=5)
+    write_array_record(tmp_path / "f.array_record", [b"x" * 10] * 10)
+    (tmp_path / "f.jsonl").write_text('{"a": 1}\n' * 10)
+    (tmp_path / "f.pkl").write_bytes(pickle.dumps({"a": np.arange(10)}))
+    (tmp_path / "f.latin1").write_bytes('{"a": "caf\xe9"}\n'.encode("latin-1") * 3)
+    own = {ArrayRecordSource: "f.array_record", ParquetSource: "f.parquet", JsonlSource: "f.jsonl"}
+    for cls, mine in own.items():
+        for name in ("f.parquet", "f.array_record", "f.jsonl", "f.pkl", "f.latin1"):
+            if name == mine:
+                assert len(cls(tmp_path / name).read([0, 9])) == 1
+                continue
+            with pytest.raises((SourceError, DecodeError), match=re.escape(name)):
+                cls(tmp_path / name).read([0])
+    with pytest.raises(DecodeError, match=r"f\.pkl: .*looks like a Python pickle"):
+        JsonlSource(tmp_path / "f.pkl")
+
+
+def test_bad_arguments_are_value_errors_that_say_what_to_write(tmp_path):
+    from zephon.runners import from_spec
+    from zephon.sources import ArraySource, Decoder, FixedFields, ParquetSource, write_parquet
+
+    for fields in ({"x": ("int33", (4,))}, {"x": ("int32",)}, {"x": ("int32", "ab")}):
+        with pytest.raises(ValueError, match=r"FixedFields field 'x': .* is not \(dtype, shape\).*write e\.g\."):
+            FixedFields(fields)
+    with pytest.raises(ValueError, match=r"record indices must be integers, got float64"):
+        ArraySource({"x": np.arange(4)}).read(np.array([1.5]))
+    with pytest.raises(ValueError, match=r"worker count 'two' is not a number"):
+        from_spec("processes:two")
+    with pytest.raises(ValueError, match=r"write_parquet .*column 'mixed' .*cannot be stored in Parquet"):
+        write_parquet(tmp_path / "m.parquet", {"mixed": np.array([1, "a"], dtype=object)}, row_group_size=2)
+    write_parquet(tmp_path / "p.parquet", {"a": np.arange(4)}, row_group_size=2)
+    with pytest.raises(SourceError, match=r"p\.parquet: has no column 'b'"):
+        ParquetSource(tmp_path / "p.parquet", columns=["b"])
+    with pytest.raises(DecodeError, match=r"ragged names \['typo'\]"):
+        Decoder(json.loads, ragged={"typo"}).decode(np.array([b'{"a": [1]}'], dtype=object), lambda i: f"rec {i}")
+    assert ArraySource([1, 2, 3]).read([2])["data"].tolist() == [3]

@@ -29,7 +29,11 @@ class RecordSource(Protocol):
 
 def as_indices(indices: np.ndarray | list[int], n: int, what: str) -> np.ndarray:
     """Validates record indices against a source of `n` records; names the source on error."""
-    idx = np.asarray(indices, dtype=np.int64)
+    idx = np.asarray(indices)
+    if idx.size and idx.dtype.kind not in "iu":
+        raise ValueError(f"{what}: record indices must be integers, got {idx.dtype} "
+                         f"({idx.ravel()[:3].tolist()}...)")
+    idx = idx.astype(np.int64, copy=False)
     if idx.ndim != 1:
         raise ValueError(f"{what}: indices must be 1-D, got shape {idx.shape}")
     if idx.size and (idx.min() < 0 or idx.max() >= n):

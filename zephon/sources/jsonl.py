@@ -131,7 +131,9 @@ def _foreign(path: str) -> str:
             head = f.read(4096)
     except OSError:
         return ""
-    if head.startswith(b"PAR1"):
+    if head.startswith(b"\x80"):
+        what = "a Python pickle"
+    elif head.startswith(b"PAR1"):
         what = "a Parquet file (use ParquetSource)"
     elif head.startswith(b"PK\x03\x04"):
         what = "a zip archive"

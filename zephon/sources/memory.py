@@ -17,7 +17,7 @@ class ArraySource:
     """
 
     def __init__(self, data: np.ndarray | Mapping[str, np.ndarray]) -> None:
-        fields = {"data": data} if isinstance(data, np.ndarray) else dict(data)
+        fields = dict(data) if isinstance(data, Mapping) else {"data": data}
         if not fields:
             raise ValueError("ArraySource needs at least one field")
         self.fields: dict[str, np.ndarray] = {k: np.asarray(v) for k, v in fields.items()}

@@ -54,8 +54,17 @@ class FixedFields:
         self.fields: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
         self._offsets: dict[str, tuple[int, int]] = {}
         offset = 0
-        for name, (dtype, shape) in fields.items():
-            dt, shp = np.dtype(dtype), tuple(int(d) for d in shape)
+        for name, field_spec in fields.items():
+            try:
+                dtype, shape = field_spec
+                dt = np.dtype(dtype)
+                shp = (int(shape),) if isinstance(shape, (int, np.integer)) else \
+                    tuple(int(d) for d in shape)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"FixedFields field {name!r}: {field_spec!r} is not (dtype, shape) "
+                                 f"({e}); write e.g. {{{name!r}: ('int32', (256,))}}.") from None
+            if any(d < 0 for d in shp):
+                raise ValueError(f"FixedFields field {name!r}: shape {shp} has a negative size")
             if dt.hasobject:
                 raise ValueError(f"FixedFields field {name!r}: dtype {dt} is not fixed-size")
             nbytes = dt.itemsize * math.prod(shp)
@@ -150,6 +159,10 @@ def rows_to_columns(rows: Sequence[Mapping[str, Any]], locate: Locate,
     if not flat:
         return {}
     keys = list(flat[0])
+    unknown = sorted(set(ragged) - set(keys))
+    if unknown:
+        raise DecodeError(f"{locate(0)}: ragged names {unknown}, which the record does not have "
+                          f"(it has {sorted(keys)}); fix the names given to `ragged`.")
     for i, row in enumerate(flat):
         if row.keys() != flat[0].keys():
             raise DecodeError(f"{locate(i)}: has fields {sorted(row)} but {locate(0)} has "
