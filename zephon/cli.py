@@ -13,7 +13,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -43,18 +43,20 @@ class Run:
     fingerprints: list[str]
 
 
-def _loaders(plan: Batch, src: ArrayRecordSource, world: int, transforms: Sequence[Transform]) -> list[Loader]:
-    return [Loader(plan, src, transforms, rank=r, world=world) for r in range(world)]
+def _loaders(plan: Batch, src: Any, world: int, transforms: Sequence[Transform],
+             **options: Any) -> list[Loader]:
+    return [Loader(plan, src, transforms, rank=r, world=world, **options) for r in range(world)]
 
 
-def resumed_run(plan: Batch, src: ArrayRecordSource, steps: int, stop: int, world_before: int,
-                world_after: int, transforms: Sequence[Transform], state_dir: str) -> list[str]:
+def resumed_run(plan: Batch, src: Any, steps: int, stop: int, world_before: int,
+                world_after: int, transforms: Sequence[Transform], state_dir: str,
+                **options: Any) -> list[str]:
     """Runs `stop` steps at one degree, checkpoints every rank's state, resumes at another."""
-    before = _loaders(plan, src, world_before, transforms)
+    before = _loaders(plan, src, world_before, transforms, **options)
     fps = run_fingerprints(before, stop)
     path = os.path.join(state_dir, f"state-{world_before}-{world_after}.json")
     save_state(path, merge_states([l.state() for l in before]))
-    after = _loaders(plan, src, world_after, transforms)
+    after = _loaders(plan, src, world_after, transforms, **options)
     for l in after:
         l.restore(load_state(path))
     return fps + run_fingerprints(after, steps - stop)
@@ -73,16 +75,18 @@ def _runner_run(plan: Batch, src: ArrayRecordSource, steps: int, spec: str) -> l
             l.close()
 
 
-def matrix(plan: Batch, src: ArrayRecordSource, steps: int, transforms: Sequence[Transform],
-           state_dir: str, extra: Sequence[tuple[str, Callable[[], list[str]]]] = ()) -> list[Run]:
+def matrix(plan: Batch, src: Any, steps: int, transforms: Sequence[Transform],
+           state_dir: str, extra: Sequence[tuple[str, Callable[[], list[str]]]] = (),
+           **options: Any) -> list[Run]:
     from tqdm import tqdm
 
     jobs: list[tuple[str, Callable[[], list[str]]]] = [
-        (f"D={d}", lambda d=d: run_fingerprints(_loaders(plan, src, d, transforms), steps)) for d in (1, 2, 4, 8)]
+        (f"D={d}", lambda d=d: run_fingerprints(_loaders(plan, src, d, transforms, **options), steps))
+        for d in (1, 2, 4, 8)]
     jobs.append(("D=2 stop@half -> resume at D=8", lambda: resumed_run(
-        plan, src, steps, steps // 2, 2, 8, transforms, state_dir)))
+        plan, src, steps, steps // 2, 2, 8, transforms, state_dir, **options)))
     jobs.append(("D=8 stop@third -> resume at D=1", lambda: resumed_run(
-        plan, src, steps, steps // 3, 8, 1, transforms, state_dir)))
+        plan, src, steps, steps // 3, 8, 1, transforms, state_dir, **options)))
     jobs += list(extra)
     runs = []
     for name, job in tqdm(jobs, desc="configurations", unit="cfg"):
@@ -116,9 +120,38 @@ def cmd_demo(args: argparse.Namespace) -> int:
         keep = Filter(lambda r: int(r["tokens"][0]) % 4 != 0, name="demo.keep_3_of_4")  # a count-changing step: lanes carry cursors
         ok &= print_table("2) same plan + a filter (per-lane cursors carried in the state)",
                           matrix(plan, src, args.steps, (keep,), tmp))
+        ok &= lm_demo(tmp, args.steps)
     print("\n" + ("PROVED: the same global batches for D = 1, 2, 4, 8 data-parallel ranks and across "
-                  "stop/resume at a different D." if ok else "FAILED: fingerprints differ (see above)."))
+                  "stop/resume at a different D — also for online tokenization, token-weighted "
+                  "mixing and packing." if ok else "FAILED: fingerprints differ (see above)."))
     return 0 if ok else 1
+
+
+def lm_demo(tmp: str, steps: int) -> bool:
+    """Two generated corpora (prose, code) as JSONL, a BPE trained here, mixed 70/30 by tokens
+    inside every lane, tokenized online and packed into rows of 256 tokens."""
+    from zephon.ops.pack import Pack
+    from zephon.ops.tokenize import Tokenize
+    from zephon.plan import Mix
+    from zephon.sources import JsonlSource
+    from zephon.textdata import EOS_ID, generate_corpus, train_bpe, write_jsonl
+
+    prose, code = generate_corpus(400, seed=1), generate_corpus(300, seed=2, style="code")
+    write_jsonl(Path(tmp) / "prose.jsonl", prose)
+    write_jsonl(Path(tmp) / "code.jsonl", code)
+    tok = train_bpe(prose[:200] + code[:150], vocab_size=2000)
+    srcs = [JsonlSource(str(Path(tmp) / "prose.jsonl")), JsonlSource(str(Path(tmp) / "code.jsonl"))]
+    plan = Mix([Source(len(prose), id=0, name="prose").shuffle(1).repeat(),
+                Source(len(code), id=1, name="code").shuffle(2).repeat()], [0.7, 0.3],
+               by="tokens").lanes(8).batch(16)
+    ops = (Tokenize(tok, eos=EOS_ID), Pack(256, "concat"))
+    first = next(Loader(plan, srcs, ops))
+    pad = float((first.data["segment_ids"] == 0).mean())
+    print(f"\nLM pretraining: 2 JSONL corpora mixed 0.7/0.3 by tokens in every lane, BPE "
+          f"tokenized online, packed to 16 x 256 (padding {pad:.1%}); row 0 holds "
+          f"{len(first.segments[0])} document pieces, e.g. {first.explain()[0]['segments'][0]}")
+    return print_table("3) tokenize + token-weighted mix + concat packing",
+                       matrix(plan, srcs, steps, ops, tmp))
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
