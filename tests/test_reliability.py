@@ -295,6 +295,18 @@ def test_bit_flips_in_zephon_written_parquet_pages_are_all_detected(tmp_path):
            f"detected ({unprotected})")
     assert body == {"detected": len(bodies), "harmless": 0, "silent": 0}
     assert header["silent"] == 0
+    from zephon.sources import ParquetSource
+
+    unverified = 0  # opting out (verify_checksums=False) reads most of those flips silently
+    for pos in bodies[:20]:
+        data = bytearray(path.read_bytes())
+        data[pos] ^= 1
+        copy = tmp_path / "unverified.parquet"
+        copy.write_bytes(bytes(data))
+        with contextlib.suppress(SourceError, DecodeError):
+            ParquetSource(copy, verify_checksums=False, decode_threads=1).read(np.arange(N_ROWS))
+            unverified += 1
+    assert unverified > 0
 
 
 def test_bit_flips_in_array_record_never_give_silent_wrong_data(tmp_path):
@@ -385,13 +397,32 @@ def test_parquet_and_jsonl_rewritten_during_a_loader_run(tmp_path):
         loader.close()
 
 
+def test_array_record_rewritten_while_worker_processes_read_it(tmp_path):
+    from zephon import Loader, Source
+    from zephon.runners import processes
+    from zephon.sources import ArrayRecordSource, FixedFields, write_array_record
+
+    spec = FixedFields({"x": ("int64", (8,))})
+    path = tmp_path / "w.array_record"
+    write_array_record(path, [spec.encode({"x": np.full(8, i)}) for i in range(1000)])
+    plan = Source(1000).shuffle(1).repeat().lanes(4).batch(32)
+    with Loader(plan, ArrayRecordSource(str(path), spec), runner=processes(2), read_ahead=64) as loader:
+        with deadline(60):
+            for _ in range(4):
+                next(loader)
+            _rewrite_in_place(path, path.read_bytes()[: 70_000])  # cut short (not readable)
+            with pytest.raises(SourceError, match=r"w\.array_record: the file changed"):
+                for _ in range(200):
+                    next(loader)
+
+
 TRUNCATED_UNDER_READER = textwrap.dedent("""
     import os, sys, numpy as np
     from zephon.errors import SourceError
     from zephon.sources import ParquetSource
     if sys.argv[2] == "mmap":  # what ParquetSource did before: memory-mapped files
         import pyarrow.parquet as pq
-        ParquetSource._open = staticmethod(lambda p: pq.ParquetFile(p, memory_map=True))
+        ParquetSource._open = staticmethod(lambda p, verify=True: pq.ParquetFile(p, memory_map=True))
     src = ParquetSource(sys.argv[1], cache_row_groups=0, decode_threads=1)
     src.read(np.arange(10))  # the file is open now
     os.truncate(sys.argv[1], os.path.getsize(sys.argv[1]) // 2)  # another process shrinks it
