@@ -15,26 +15,32 @@ Three ways to iterate, from simplest to most torch-shaped:
 - `TorchLoader`: an iterator of `{field: Tensor}` with `state_dict()` / `load_state_dict()`.
   Parallelism comes from a Zephon runner; optional `DTensor` output over a device mesh.
 - `ZephonIterableDataset`: an `IterableDataset` for `DataLoader(batch_size=None)`. With
-  `num_workers=W > 1`, worker `w` computes steps `start+w, start+w+W, ...`; DataLoader fetches
-  from workers round-robin and returns results in order, so the sequence is unchanged.
+  `num_workers=W > 1` and a one-to-one pipeline, worker `w` computes steps `start+w,
+  start+w+W, ...`; DataLoader fetches from workers round-robin and returns results in order, so
+  the sequence is unchanged.
 - `ZephonDataLoader`: that DataLoader with the StatefulDataLoader convention: it counts the
   batches it *handed to the training loop* (not those prefetched by workers), so its
-  `state_dict()` resumes exactly after the last batch the model saw.
+  `state_dict()` resumes exactly after the last batch the model saw. Its workers also run
+  pipelines that change the number of records (filters, packing): each takes a block of the
+  rank's lanes, and the loader joins their rows of every step and merges their lanes' positions.
 
 Fields torch cannot hold (bytes, strings, ragged lists: numpy object arrays, and datetimes) are
 passed through unchanged as numpy arrays; asking to cast one raises `PlanError`.
 
-State is Zephon's JSON state with the plan and every lane's state encoded as JSON strings: plain
-str/int/list/dict, so `torch.save` / `torch.load(weights_only=True)` need no pickle, and
-`torch.distributed.checkpoint` sees one opaque leaf per lane. Each rank's keys are its own lanes,
-the rest is identical on every rank, so a checkpoint written by `D` ranks loads at any other
-degree (each rank asks for the lanes it now owns).
+State: `state_dict()` is Zephon's state document itself — the dict `Loader.state()` returns, of
+plain dicts, lists, strings and numbers — so `torch.save` / `torch.load(weights_only=True)` need
+no pickle, every emitter restores it (`Loader.restore`, `JaxLoader.restore`, ...) and
+`load_state_dict` restores theirs. Each rank's `lanes` are its own, the rest is identical on
+every rank: `zephon.merge_states` of every rank's state resumes at any other degree, and so does a
+`torch.distributed.checkpoint` loaded with a fresh loader's `state_dict()` as the template (each
+rank asks for the lanes it now owns). States are built only when asked for: loaders keep cheap
+positions, so a pipeline of lambdas iterates with workers and is refused only by `state_dict()`.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -46,6 +52,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from zephon.errors import PlanError, StateError
+from zephon.exec.lanes import LaneState
 from zephon.exec.loader import Loader, LocalBatch
 from zephon.plan import Batch
 from zephon.sources.base import RecordSource
@@ -242,42 +249,37 @@ def to_dtensors(tensors: Mapping[str, Any], mesh: Any, mesh_dims: MeshDims = Non
 
 
 # --- state ------------------------------------------------------------------------------------
-def _compact(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+def state_document(state: Mapping[str, Any], loader: Loader) -> dict[str, Any]:
+    """An independent copy of `loader`'s state document (plain dicts, lists, str, int, ...).
 
-
-def encode_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Zephon's loader state in torch checkpoint form: plan and lane states as JSON strings.
-
-    Strings make every lane one leaf for torch.distributed.checkpoint, whose loads fill a
-    template's structure: a nested lane state whose keys changed since the template was made
-    (an accumulator's carry) would otherwise be dropped silently.
+    With an accumulator (packing) every lane names its `held` inputs and `carry`, empty or not:
+    a `torch.distributed.checkpoint` load fills only the keys of its template (a fresh loader's
+    state), so a key the template lacked would be dropped without a word. With both present, a
+    carry whose structure the template lacks is a loud "missing key" instead (see the README).
     """
-    out = dict(state)
-    out["plan"] = _compact(state["plan"])
-    out["lanes"] = {str(k): _compact(v) for k, v in state["lanes"].items()}
+    out = copy.deepcopy(dict(state))
+    if loader.pipeline.acc is not None:
+        out["lanes"] = {k: {"held": [], "carry": None, **v} for k, v in out["lanes"].items()}
     return out
 
 
-def decode_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Inverse of `encode_state`; a plain Zephon state (`zephon.load_state`) passes unchanged."""
-    if not isinstance(state, Mapping) or not isinstance(state.get("lanes", {}), Mapping):
-        raise StateError("not a Zephon loader state: expected the dict that state_dict() returned "
-                         f"(got {type(state).__name__}).")
-
-    def value(v: Any, what: str) -> Any:
-        if not isinstance(v, str):
-            return v
-        try:
-            return json.loads(v)
-        except json.JSONDecodeError as e:
-            raise StateError(f"the checkpoint's {what} is not valid JSON ({e}); the checkpoint is "
-                             "damaged — restore an earlier one.") from e
-
-    out = dict(state)
-    out["plan"] = value(state.get("plan"), "plan")
-    out["lanes"] = {k: value(v, f"lane {k}") for k, v in state.get("lanes", {}).items()}
-    return out
+def seek_position(loader: Loader, position: Mapping[str, Any]) -> None:
+    """Puts `loader` at a `position()` taken from a loader of the same plan and pipeline in this
+    job (lanes: a superset of `loader.owned`). No identity check, so it works with lambdas: the
+    position never left the process tree, and a state from outside goes through `restore()`."""
+    if loader.random_access:
+        loader.seek(int(position["step"]))
+        return
+    lanes = position["lanes"]
+    missing = [int(l) for l in loader.owned if str(int(l)) not in lanes]
+    if missing:
+        raise StateError(f"the position lacks lanes {missing[:8]} that this loader owns")
+    states = [LaneState.from_json(lanes[str(int(l))], int(l), loader.branches, loader.token_mix)
+              for l in loader.owned]
+    # TODO(zephon.exec): a public `Loader.seek_position(position)` would replace these internals.
+    loader._stop_pending()
+    loader._step = int(position["step"])
+    loader._lane_states = states
 
 
 # --- iteration ----------------------------------------------------------------------------------
@@ -332,12 +334,13 @@ class TorchLoader:
         return out if self._mesh is None else to_dtensors(out, self._mesh, self._mesh_dims)
 
     def state_dict(self) -> dict[str, Any]:
-        """State after the last batch this loader yielded (JSON-compatible, see module doc)."""
-        return encode_state(self.loader.state())
+        """The Zephon state after the last batch this loader yielded (see the module doc)."""
+        return state_document(self.loader.state(), self.loader)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continues after the batches `state` had yielded (saved at any data-parallel degree)."""
-        self.loader.restore(decode_state(state))
+        """Continues after the batches `state` had yielded (any emitter's state, saved at any
+        data-parallel degree; merge every rank's with `zephon.merge_states` first)."""
+        self.loader.restore(state)
 
     def close(self) -> None:
         self.loader.close()
@@ -349,19 +352,41 @@ class TorchLoader:
         self.close()
 
 
+@dataclass
+class WorkerPart:
+    """What a DataLoader worker of `ZephonDataLoader` yields for a count-changing pipeline: its
+    lanes' rows of global batch `step` and those lanes' position after it."""
+
+    step: int
+    worker: int
+    lanes: list[int]
+    data: dict[str, Any]
+    position: dict[str, Any]
+
+    def pin_memory(self) -> "WorkerPart":
+        return self  # pinned once, after the parts are concatenated (`ZephonDataLoader`)
+
+
 class ZephonIterableDataset(IterableDataset):
     """Global batches as an `IterableDataset`, for `DataLoader(dataset, batch_size=None)`.
 
-    Every `iter()` starts at the dataset's start state (`start_step`, or what `restore` set), so
-    the dataset is re-iterable like any torch dataset; `ZephonDataLoader` moves that start as
+    Every `iter()` starts at the dataset's start position (`start_step`, or what `restore` set),
+    so the dataset is re-iterable like any torch dataset; `ZephonDataLoader` moves that start as
     batches are consumed. Rank and world are fixed at construction, in the process that
     initialised `torch.distributed`, never in a worker.
 
-    In a DataLoader worker `w` of `W` it yields steps `start+w, start+w+W, ...`; DataLoader's
-    in-order round-robin fetching then returns exactly steps `start, start+1, ...`. That needs
-    random access, so pipelines with a `Filter` (whose lanes advance sequentially) are refused
-    with more than one worker. Keep `in_order=True` (the default) with workers. A `runner`
-    runs inside whichever process iterates; other keyword arguments go to `zephon.Loader`.
+    Pipelines that keep one output per input (random access by step): in DataLoader worker `w`
+    of `W` the dataset yields steps `start+w, start+w+W, ...`, and DataLoader's in-order
+    round-robin fetching returns exactly steps `start, start+1, ...`.
+
+    Count-changing pipelines (filters, flat maps, packing) cannot be split by step: each lane
+    advances sequentially. Under `ZephonDataLoader`, worker `w` of `W` runs a block of the lanes
+    this rank owns instead (`worker_rank`) and yields its rows of every step with its lanes'
+    position (`WorkerPart`); `ZephonDataLoader` joins the `W` parts of each step. A plain
+    DataLoader cannot join them, so it gets such a pipeline with `num_workers <= 1` only.
+
+    Keep `in_order=True` (the default) with workers. A `runner` runs inside whichever process
+    iterates; other keyword arguments go to `zephon.Loader`.
     """
 
     def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Transform] = (), *,
@@ -373,68 +398,171 @@ class ZephonIterableDataset(IterableDataset):
         self.seed, self.runner = int(seed), runner
         self.rank, self.world = data_parallel(rank, world, group)
         self.emitter = Emitter.make(dtypes)
-        probe = self._loader(start_step)
-        self.one_to_one = probe.one_to_one
-        self._start: dict[str, Any] = probe.state()
+        main = self._loader(start_step)
+        self.one_to_one = main.random_access
+        self._main: Loader | None = main  # builds states and checks restores; never iterated
+        self._start: dict[str, Any] = main.position()
         self._live: Loader | None = None  # the main-process loader of the newest iter()
+        self._parts = False  # set in the workers of a ZephonDataLoader (count-changing pipelines)
 
-    def _loader(self, start_step: int = 0, runner: Any = None) -> Loader:
+    def _loader(self, start_step: int = 0, runner: Any = None, rank: int | None = None,
+                world: int | None = None) -> Loader:
         """A loader at `start_step`; only iterating ones get the runner (closing a loader closes it)."""
-        return Loader(self.plan, self.sources, self.transforms, seed=self.seed, rank=self.rank,
-                      world=self.world, runner=runner, start_step=start_step, **self.loader_options)
+        return Loader(self.plan, self.sources, self.transforms, seed=self.seed,
+                      rank=self.rank if rank is None else rank, world=self.world if world is None else world,
+                      runner=runner, start_step=start_step, **self.loader_options)
+
+    def _main_loader(self) -> Loader:
+        if self._main is None:
+            self._main = self._loader()
+        return self._main
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_live": None}  # a live loader holds generators; workers make their own
+        # live loaders hold generators, and workers build their own
+        return {**self.__dict__, "_live": None, "_main": None}
 
     @property
     def start_step(self) -> int:
         return int(self._start["step"])
 
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """Future iterations start after the batches `state` (a `state_dict()`) had yielded."""
-        loader = self._loader()
-        loader.restore(decode_state(state))
-        self._start = loader.state()
+    def worker_rank(self, worker: int, workers: int) -> tuple[int, int]:
+        """(rank, world) of a Loader over worker `worker`'s block of this rank's lanes.
 
-    def state_after(self, consumed: int) -> dict[str, Any]:
-        """Zephon state after `consumed` batches of the newest iteration (torch checkpoint form)."""
+        The rank's lanes split into `workers` equal blocks; with the plan's lane mapping each is
+        the lanes of a rank at degree `world × workers`: contiguous blocks for a contiguous
+        mapping, every `workers`-th owned lane for an interleaved one.
+        """
+        lanes = self.plan.lanes
+        owned = lanes.count // self.world
+        if workers < 1 or owned % workers:
+            fits = [w for w in range(1, owned + 1) if owned % w == 0]
+            raise PlanError(
+                f"num_workers={workers} cannot split the {owned} lanes rank {self.rank} owns "
+                f"(lanes={lanes.count}, world={self.world}) evenly, and a pipeline that changes "
+                "the number of records splits its work among DataLoader workers by lanes. Use "
+                f"num_workers in {fits} (or 0), or a plan whose lane count is a multiple of "
+                f"world x num_workers (lanes={math.lcm(lanes.count, self.world * max(1, workers))}; "
+                "another lane count is another plan: its batches differ).")
+        if lanes.mapping == "contiguous":
+            return self.rank * workers + worker, self.world * workers
+        return self.rank + worker * self.world, self.world * workers
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Future iterations start after the batches `state` had yielded: a state of any
+        emitter (`state_dict()`, `Loader.state()`, ...) saved at any data-parallel degree."""
+        main = self._main_loader()
+        main.restore(state)  # checks plan, seed, pipeline and lanes
+        self._start = main.position()
+
+    def continue_from(self, position: Mapping[str, Any]) -> None:
+        """Future iterations start at `position` (a position this job's loaders reported)."""
+        self._start = copy.deepcopy(dict(position))
+
+    def state_from(self, position: Mapping[str, Any]) -> dict[str, Any]:
+        """The state document (torch's `state_dict()` form) at `position`."""
+        main = self._main_loader()
+        return state_document(main.state_from(position), main)
+
+    def position_after(self, consumed: int) -> dict[str, Any]:
+        """Position after `consumed` batches of the newest iteration (in this process)."""
         if consumed == 0:
-            return encode_state(self._start)
+            return self._start
         target = self.start_step + consumed
         if self.one_to_one:
-            loader = self._loader(target)
-            return encode_state(loader.state())
+            main = self._main_loader()
+            main.seek(target)
+            return main.position()
         live = self._live
         if live is None or live.step != target:
-            raise StateError(f"the state after {consumed} batches of a pipeline with a Filter is "
-                             "known only to the loader that produced them in this process; iterate "
-                             "with num_workers=0 (ZephonDataLoader enforces this).")
-        return encode_state(live.state())
+            raise StateError(f"the position after {consumed} batches of a pipeline that changes the "
+                             "number of records is known only to the loaders that produced them; "
+                             "iterate with ZephonDataLoader, which collects it from its workers.")
+        return copy.deepcopy(live.position())
+
+    def state_after(self, consumed: int) -> dict[str, Any]:
+        """State after `consumed` batches of the newest iteration (torch's `state_dict()` form)."""
+        return self.state_from(self.position_after(consumed))
 
     def __len__(self) -> int:
-        """Batches left from the start state (only for finite plans without a Filter)."""
+        """Batches left from the start state (only for finite plans of one-to-one pipelines)."""
         n = self.plan.num_steps
         if n is None or not self.one_to_one:
             raise TypeError("this Zephon dataset has no length: its plan repeats forever or its "
-                            "pipeline filters records.")
+                            "pipeline changes the number of records.")
         return max(0, n - self.start_step)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
+        workers = 1 if info is None else info.num_workers
+        if self._parts and not self.one_to_one:
+            yield from self._iter_parts(info.id, workers)
+            return
         loader = self._loader(runner=self.runner)
-        loader.restore(self._start)
-        if info is None or info.num_workers == 1:
+        seek_position(loader, self._start)
+        if workers == 1:
             if info is None:
                 self._live = loader
             for batch in loader:
                 yield self.emitter(batch)
             return
         if not self.one_to_one:
-            raise PlanError(f"a pipeline with a Filter advances its lanes sequentially, so "
-                            f"{info.num_workers} DataLoader workers cannot split it by step; use "
-                            "num_workers=0 or 1.")
-        for batch in loader.strided(loader.step + info.id, info.num_workers):
+            raise PlanError(f"this pipeline changes the number of records, so its lanes advance "
+                            f"sequentially and {workers} DataLoader workers cannot split it by step; "
+                            "use ZephonDataLoader (its workers split the lanes and it joins their "
+                            "rows), or num_workers=0 or 1.")
+        for batch in loader.strided(loader.step + info.id, workers):
             yield self.emitter(batch)
+
+    def _iter_parts(self, worker: int, workers: int) -> Iterator[WorkerPart]:
+        rank, world = self.worker_rank(worker, workers)
+        loader = self._loader(runner=self.runner, rank=rank, world=world)
+        seek_position(loader, self._start)
+        lanes = [int(l) for l in loader.owned]
+        for batch in loader:
+            # a copy: the part is pickled later, by the queue's feeder thread
+            yield WorkerPart(batch.step, worker, lanes, self.emitter(batch),
+                             copy.deepcopy(loader.position()))
+
+
+class _MarkParts:
+    """worker_init_fn of a ZephonDataLoader: makes the worker's dataset copy yield `WorkerPart`s,
+    then calls the user's worker_init_fn. Module-level, so spawned workers can unpickle it."""
+
+    def __init__(self, user_fn: Any = None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        get_worker_info().dataset._parts = True
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def join_parts(parts: Sequence[WorkerPart], per_lane: int, pin: bool = False) -> dict[str, Any]:
+    """The rows of all parts, in lane order (one concatenation per field)."""
+    if len(parts) == 1 and not pin:
+        return parts[0].data
+    lanes = np.concatenate([np.asarray(p.lanes, np.int64) for p in parts])
+    order = np.argsort(lanes, kind="stable")
+    rows = None
+    if np.any(order != np.arange(len(order))):  # an interleaved mapping: workers hold every W-th lane
+        rows = (order[:, None] * per_lane + np.arange(per_lane)).ravel()
+    out: dict[str, Any] = {}
+    for k in parts[0].data:
+        vs = [p.data[k] for p in parts]
+        if isinstance(vs[0], torch.Tensor):
+            shape = (sum(v.shape[0] for v in vs),) + tuple(vs[0].shape[1:])
+            joined = torch.empty(shape, dtype=vs[0].dtype, pin_memory=pin and rows is None)
+            torch.cat(vs, out=joined)
+            if rows is not None:
+                joined = joined[torch.from_numpy(rows)]
+                if pin:
+                    joined = joined.pin_memory()
+        else:
+            joined = np.concatenate(vs)
+            if rows is not None:
+                joined = joined[rows]
+        out[k] = joined
+    return out
 
 
 class ZephonDataLoader(DataLoader):
@@ -444,6 +572,12 @@ class ZephonDataLoader(DataLoader):
     prefetched; `load_state_dict()` makes the next `iter()` continue from there. Iterating again
     continues where the last iteration stopped: a Zephon plan spans all epochs (use
     `.repeat(epochs)`; each epoch is reshuffled), so the loader is a cursor over global steps.
+
+    With `num_workers=W > 0`, a one-to-one pipeline is split by step (worker w computes steps
+    `start+w, start+w+W, ...`); a count-changing one (filter, flat map, packing) by lanes: worker
+    w runs the w-th of W equal blocks of this rank's lanes (W must divide them) and reports their
+    position with its rows; this loader joins the W parts of each step in lane order and keeps
+    the merged position of the last batch it handed out. The batches are the same for every W.
 
     Batch-shaping options (`batch_size`, `sampler`, `collate_fn`, ...) do not exist: the plan
     decides batches. Workers are never persistent, so each `iter()` starts them at the cursor,
@@ -456,45 +590,78 @@ class ZephonDataLoader(DataLoader):
         if not isinstance(dataset, ZephonIterableDataset):
             raise PlanError(f"ZephonDataLoader needs a ZephonIterableDataset, got "
                             f"{type(dataset).__name__}; wrap your plan and sources in one.")
-        if num_workers > 0 and not dataset.one_to_one:
-            raise PlanError(f"num_workers={num_workers} with a Filter: such a pipeline advances its "
-                            "lanes sequentially, so workers cannot split it by step, and its state "
-                            "is known only in the process that iterates it. Use num_workers=0, or "
-                            "TorchLoader.")
+        parts = num_workers > 0 and not dataset.one_to_one
+        if parts:
+            dataset.worker_rank(0, num_workers)  # refuses a lane count the workers cannot split
+            worker_init_fn = _MarkParts(worker_init_fn)
         super().__init__(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                          timeout=timeout, worker_init_fn=worker_init_fn,
                          multiprocessing_context=multiprocessing_context,
                          prefetch_factor=prefetch_factor, persistent_workers=False, in_order=True)
-        self._consumed = 0
+        self._joins_parts = parts
+        self._consumed = 0  # batches handed out by the newest iteration (one-to-one, or in-process)
+        self._position: dict[str, Any] | None = None  # after the last joined batch (parts)
         self._generation = 0
+
+    def _current(self) -> dict[str, Any]:
+        """Position after the last batch handed out."""
+        if self._position is not None:
+            return self._position
+        return self.dataset.position_after(self._consumed)  # type: ignore[attr-defined]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:  # type: ignore[override]
         ds: ZephonIterableDataset = self.dataset  # type: ignore[assignment]
-        if self._consumed:
-            ds.restore(self.state_dict())
-            self._consumed = 0
+        if self._consumed or self._position is not None:
+            ds.continue_from(self._current())
+            self._consumed, self._position = 0, None
         if ds.one_to_one and ds.plan.num_steps is not None and len(ds) == 0:
             log.warning("ZephonDataLoader is at the end of its plan (%d global batches): nothing "
                         "is left to yield. Build the plan with .repeat(epochs) to train longer, or "
                         "load_state_dict() an earlier state to replay.", ds.plan.num_steps)
         self._generation += 1
+        if self._joins_parts:
+            return self._joined(super().__iter__(), self._generation, ds.start_step)
         return self._counted(super().__iter__(), self._generation)
+
+    def _superseded(self, generation: int) -> None:
+        if generation != self._generation:
+            raise StateError("this ZephonDataLoader iterator was superseded by a newer iter() or "
+                             "load_state_dict(); state_dict() follows the newest one only, so "
+                             "consume one iterator at a time.")
 
     def _counted(self, batches: Iterator[dict[str, Any]], generation: int) -> Iterator[dict[str, Any]]:
         for batch in batches:
-            if generation != self._generation:
-                raise StateError("this ZephonDataLoader iterator was superseded by a newer iter() or "
-                                 "load_state_dict(); state_dict() follows the newest one only, so "
-                                 "consume one iterator at a time.")
+            self._superseded(generation)
             self._consumed += 1
             yield batch
 
+    def _joined(self, parts: Iterator[WorkerPart], generation: int, step: int) -> Iterator[dict[str, Any]]:
+        workers = self.num_workers
+        pin = self.pin_memory and _can_pin()
+        per_lane = self.dataset.plan.per_lane  # type: ignore[attr-defined]
+        while True:
+            group: list[WorkerPart] = []
+            for w in range(workers):
+                part = next(parts, None)
+                if part is None or part.step != step or part.worker != w:
+                    # the plan ended: a worker whose lanes ran out stopped, and DataLoader goes
+                    # on with the others; the step is incomplete, as it is for one loader
+                    return
+                group.append(part)
+            self._superseded(generation)
+            batch = join_parts(group, per_lane, pin)
+            self._position = {"step": step + 1,
+                              "lanes": {k: v for p in group for k, v in p.position["lanes"].items()}}
+            step += 1
+            yield batch
+
     def state_dict(self) -> dict[str, Any]:
-        """State after the last batch handed out (JSON-compatible; see the module doc)."""
-        return self.dataset.state_after(self._consumed)  # type: ignore[attr-defined]
+        """The Zephon state after the last batch handed out (see the module doc)."""
+        return self.dataset.state_from(self._current())  # type: ignore[attr-defined]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """The next `iter()` continues after the batches `state` had handed out."""
+        """The next `iter()` continues after the batches `state` had handed out (a state of any
+        emitter, saved at any data-parallel degree; merge every rank's with `merge_states`)."""
         self.dataset.restore(state)  # type: ignore[attr-defined]
-        self._consumed = 0
+        self._consumed, self._position = 0, None
         self._generation += 1

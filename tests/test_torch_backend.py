@@ -19,9 +19,11 @@ import torch.distributed.checkpoint as dcp
 from torch.utils.data import DataLoader
 
 import _torch_ddp_worker as ddp_worker  # tests/ is on sys.path under pytest's rootdir conftest
-from zephon import Filter, Loader, PlanError, Source, StateError, load_state, save_state
+from zephon import (Filter, Loader, PlanError, Source, StateError, load_state, merge_states,
+                    save_state)
 from zephon.backends import numpy as npb
 from zephon.backends import torch as tb
+from zephon.ops.pack import Pack
 from zephon.runners import processes, threads
 from zephon.sources.memory import ArraySource
 from zephon.verify import lane_digests, step_fingerprint
@@ -182,8 +184,12 @@ def test_resume_mid_epoch_through_torch_save_weights_only(tmp_path, filtered):
         assert_same(next(first), want)
     torch.save({"data": first.state_dict()}, tmp_path / "ckpt.pt")
     state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["data"]
-    assert state == first.state_dict() and state["step"] == 4
+    assert state == first.state_dict() == first.loader.state() and state["step"] == 4
     assert json.loads(json.dumps(state)) == state  # JSON-compatible
+    assert isinstance(state["plan"], dict) and all(isinstance(v, dict) for v in state["lanes"].values())
+    core = Loader(plan(), make_source(), transforms)  # the same document restores the core loader
+    core.restore(state)
+    assert_same(tb.emit(next(core)), ref[4])
     resumed = tb.TorchLoader(plan(), make_source(), transforms)
     resumed.load_state_dict(state)
     for want in ref[4:]:
@@ -199,8 +205,8 @@ def test_state_from_another_plan_is_refused():
     state = tb.TorchLoader(plan(seed=3), make_source()).state_dict()
     with pytest.raises(StateError, match="another plan"):
         tb.TorchLoader(plan(seed=4), make_source()).load_state_dict(state)
-    damaged = {**state, "lanes": {"0": "{not json"}}
-    with pytest.raises(StateError, match="damaged"):
+    damaged = {**state, "lanes": {**state["lanes"], "0": '{"cursor": [0]}'}}  # a JSON string
+    with pytest.raises(StateError, match="lane 0 of the state is str"):
         tb.TorchLoader(plan(seed=3), make_source()).load_state_dict(damaged)
 
 
@@ -219,6 +225,25 @@ def test_distributed_checkpoint_round_trip_in_one_process(tmp_path):
     resumed.load_state_dict(template["data"])
     for want in ref[4:]:
         assert_same(next(resumed), want)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_distributed_checkpoint_of_carries_is_loud_not_silently_wrong(tmp_path):
+    """DCP fills only its template's keys: a carry whose structure a fresh loader's template lacks
+    must fail the load, never be dropped (every lane of a packing pipeline names held and carry)."""
+    transforms = (Filter(keep), Pack(13))
+    first = tb.TorchLoader(plan(), make_source(), transforms)
+    for _ in range(3):
+        next(first)
+    state = first.state_dict()
+    assert all({"held", "carry"} <= set(lane) for lane in state["lanes"].values())
+    assert any(lane["carry"] for lane in state["lanes"].values())
+    dcp.save({"data": state}, checkpoint_id=str(tmp_path / "dcp"))
+    template = {"data": tb.TorchLoader(plan(), make_source(), transforms).state_dict()}
+    with pytest.raises(BaseException) as failed:  # dcp wraps it in a CheckpointException
+        dcp.load(template, checkpoint_id=str(tmp_path / "dcp"))
+    failures = getattr(failed.value, "failures", {})
+    assert "Missing key in checkpoint state_dict: data.lanes.0.carry" in str(failed.value) + repr(failures)
 
 
 # --- DataLoader ---------------------------------------------------------------------------------
@@ -265,15 +290,19 @@ def test_zephon_dataloader_state_counts_consumed_batches_not_prefetched(tmp_path
         next(it)
 
 
-def test_filter_pipelines_resume_inline_and_refuse_workers(monkeypatch):
+def test_filter_pipelines_resume_in_process_and_workers_must_split_the_lanes(monkeypatch):
     transforms = (Filter(keep),)
     ref = numpy_ref(plan(), 6, transforms)
-    with pytest.raises(PlanError, match="num_workers=0"):
-        tb.ZephonDataLoader(tb.ZephonIterableDataset(plan(), make_source(), transforms), num_workers=2)
-    # inside worker 0 of 2 of a plain DataLoader (faked: torch takes 5 s per worker to tear down
-    # workers whose dataset raised)
+    # ZephonDataLoader's workers split a rank's lanes in equal blocks: W must divide them
+    with pytest.raises(PlanError, match=r"num_workers in \[1, 2, 4, 8\] \(or 0\)"):
+        tb.ZephonDataLoader(tb.ZephonIterableDataset(plan(), make_source(), transforms), num_workers=3)
+    with pytest.raises(PlanError, match=r"2 lanes rank 1 owns .*num_workers in \[1, 2\]"):
+        tb.ZephonDataLoader(tb.ZephonIterableDataset(plan(), make_source(), transforms, rank=1, world=4),
+                            num_workers=4)
+    # a plain DataLoader cannot join its workers' parts of a step: refused inside worker 0 of 2
+    # (faked: torch takes 5 s per worker to tear down workers whose dataset raised)
     monkeypatch.setattr(tb, "get_worker_info", lambda: SimpleNamespace(id=0, num_workers=2))
-    with pytest.raises(PlanError, match="cannot split it by step"):
+    with pytest.raises(PlanError, match="use ZephonDataLoader"):
         next(iter(tb.ZephonIterableDataset(plan(), make_source(), transforms)))
     monkeypatch.undo()
     loader = tb.ZephonDataLoader(tb.ZephonIterableDataset(plan(), make_source(), transforms))
@@ -283,6 +312,104 @@ def test_filter_pipelines_resume_inline_and_refuse_workers(monkeypatch):
     resumed.load_state_dict(loader.state_dict())
     for want, got in zip(ref[3:], resumed):
         assert_same(got, want)
+
+
+def interleaved_plan():
+    return Source(N).shuffle(3).repeat().lanes(8, "interleaved").batch(32)
+
+
+# kind -> (plan, transforms, rank, world, steps or None: the whole finite plan)
+KINDS = {
+    "one_to_one": lambda: (plan(), (), 0, 1, 6),
+    # a lambda: workers run it (only state_dict() needs a stable name); a finite plan ends when
+    # a lane runs out, in one worker's block while the other's lanes still have inputs
+    "filter_finite": lambda: (finite_plan(), (Filter(lambda r: int(r["id"]) % 4 != 1),), 0, 1, None),
+    "pack": lambda: (plan(), (Filter(keep), Pack(13)), 0, 1, 6),  # carries cross step boundaries
+    # rank 1 of 2 owns lanes 1, 3, 5, 7; worker 0 runs 1 and 5, worker 1 runs 3 and 7
+    "interleaved_rank": lambda: (interleaved_plan(), (Filter(keep),), 1, 2, 6),
+}
+
+
+@pytest.mark.filterwarnings(FORK_AFTER_JAX)
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_zephon_dataloader_batches_are_identical_for_0_1_2_workers(kind):
+    p, transforms, rank, world, steps = KINDS[kind]()
+    core = Loader(p, make_source(), transforms, rank=rank, world=world)
+    ref = [npb.emit(b) for b in (core if steps is None else (next(core) for _ in range(steps)))]
+    for workers in (0, 1, 2):
+        ds = tb.ZephonIterableDataset(p, make_source(), transforms, rank=rank, world=world)
+        loader = tb.ZephonDataLoader(ds, num_workers=workers, timeout=TIMEOUT if workers else 0)
+        got = list(loader) if steps is None else [b for _, b in zip(range(steps), loader)]
+        assert len(got) == len(ref), workers
+        for g, want in zip(got, ref):
+            assert_same(g, want)
+        if kind == "filter_finite":
+            with pytest.raises(StateError, match="no stable identity"):
+                loader.state_dict()
+        else:
+            assert loader.state_dict()["step"] == steps
+
+
+@pytest.mark.filterwarnings(FORK_AFTER_JAX)
+def test_state_dict_taken_with_workers_resumes_a_packing_pipeline(tmp_path):
+    transforms = (Filter(keep), Pack(13))
+    ref = numpy_ref(plan(), 9, transforms)
+    loader = tb.ZephonDataLoader(tb.ZephonIterableDataset(plan(), make_source(), transforms),
+                                 num_workers=2, prefetch_factor=4, timeout=TIMEOUT)
+    it = iter(loader)
+    for want in ref[:5]:
+        assert_same(next(it), want)
+    state = loader.state_dict()  # the workers have computed several steps ahead by now
+    assert state["step"] == 5 and sorted(map(int, state["lanes"])) == list(range(8))
+    assert any(lane["carry"] for lane in state["lanes"].values())  # rows continue into step 5
+    torch.save({"data": state}, tmp_path / "dl.pt")
+    loaded = torch.load(tmp_path / "dl.pt", weights_only=True)["data"]
+    assert loaded == state and json.loads(json.dumps(loaded)) == loaded
+    for workers in (0, 2):
+        resumed = tb.ZephonDataLoader(tb.ZephonIterableDataset(plan(), make_source(), transforms),
+                                      num_workers=workers, timeout=TIMEOUT if workers else 0)
+        resumed.load_state_dict(loaded)
+        for want, got in zip(ref[5:8], resumed):  # ref first: zip must not pull a 4th batch
+            assert_same(got, want)
+        assert resumed.state_dict()["step"] == 8
+    core = Loader(plan(), make_source(), transforms)  # the core loader restores the same document
+    core.restore(loaded)
+    assert_same(tb.emit(next(core)), ref[5])
+    # iterating the first loader again continues where the training loop stopped
+    for want, got in zip(ref[5:9], loader):
+        assert_same(got, want)
+    assert loader.state_dict()["step"] == 9
+    with pytest.raises(StateError, match="superseded"):
+        next(it)
+
+
+@pytest.mark.filterwarnings(FORK_AFTER_JAX)
+def test_worker_states_of_two_ranks_merge_and_resume_at_other_degrees():
+    transforms = (Filter(keep),)
+    ref = numpy_ref(plan(), 7, transforms)
+
+    def ranks(world, workers, state=None, steps=3):
+        """Each rank's batches of `steps` steps (a ZephonDataLoader per rank) and its state."""
+        out, states = [], []
+        for r in range(world):
+            loader = tb.ZephonDataLoader(
+                tb.ZephonIterableDataset(plan(), make_source(), transforms, rank=r, world=world),
+                num_workers=workers, timeout=TIMEOUT)
+            if state is not None:
+                loader.load_state_dict(state)
+            out.append([b for _, b in zip(range(steps), loader)])
+            states.append(loader.state_dict())
+        return [{k: torch.cat([o[s][k] for o in out]) for k in out[0][s]} for s in range(steps)], states
+
+    got, states = ranks(2, 2, steps=4)
+    for g, want in zip(got, ref[:4]):
+        assert_same(g, want)
+    assert [sorted(map(int, s["lanes"])) for s in states] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    merged = merge_states(states)
+    for world, workers in ((1, 2), (4, 2)):
+        got, _ = ranks(world, workers, merged)
+        for g, want in zip(got, ref[4:]):
+            assert_same(g, want)
 
 
 def test_zephon_dataloader_warns_at_the_end_of_a_finite_plan(caplog):
