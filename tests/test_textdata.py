@@ -14,7 +14,12 @@ import pytest
 pytest.importorskip("tokenizers")
 
 from zephon.errors import DecodeError  # noqa: E402
-from zephon.sources import ArrayRecordSource, JsonlSource, RawBytes, write_array_record  # noqa: E402
+from zephon.sources import (  # noqa: E402
+    ArrayRecordSource,
+    JsonlSource,
+    RawBytes,
+    write_array_record,
+)
 from zephon.textdata import (  # noqa: E402
     BOS_ID,
     EOS_ID,
