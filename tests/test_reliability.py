@@ -287,12 +287,20 @@ def test_bit_flips_in_zephon_written_parquet_pages_are_all_detected(tmp_path):
         pq.write_table(pa.table(table.columns, names=table.column_names), plain, row_group_size=500)
         plain_bodies = [rng.randrange(b, e) for _ in range(4) for _, b, e in parquet_pages(plain)]
         unprotected = flip_outcomes(tmp_path, str(plain), read_parquet_all, want, plain_bodies, rng)
+        # The footer (schema, row-group metadata) has no checksum: measured, for the README.
+        size = os.path.getsize(path)
+        footer_len = int.from_bytes(path.read_bytes()[-8:-4], "little")
+        feet = [rng.randrange(size - 8 - footer_len, size) for _ in range(100)]
+        footer = flip_outcomes(tmp_path, str(path), read_parquet_all, want, feet, rng)
     report(f"parquet write_parquet page bodies: {body['detected']}/{len(bodies)} flips detected "
            f"({body})")
     report(f"parquet write_parquet page headers: {header['detected']}/{len(headers)} detected, "
            f"the rest harmless ({header})")
     report(f"parquet without checksums, page bodies: {unprotected['detected']}/{len(plain_bodies)} "
            f"detected ({unprotected})")
+    report(f"parquet write_parquet footer: {footer['detected']}/{len(feet)} detected, "
+           f"{footer['harmless']} harmless, {footer['silent']} read with another schema or "
+           f"wrong values ({footer})")
     assert body == {"detected": len(bodies), "harmless": 0, "silent": 0}
     assert header["silent"] == 0
     from zephon.sources import ParquetSource
