@@ -17,6 +17,12 @@ gradient over 64 rows where two processes each sum 32 and then average.
 
 Data: 4096 synthetic records (16 features, a label from a fixed random teacher), shuffled and
 repeated forever, dealt into 8 lanes, global batch 64. Each DDP rank loads only its 32 rows.
+`--filter` drops the records of one class on the fly (a count-changing pipeline: lanes then
+advance by data-dependent amounts and their positions travel in the checkpoint); `--workers W`
+gives every rank W DataLoader workers (with `--filter` each runs a block of the rank's lanes).
+The four runs must agree in every combination, e.g.
+
+    python examples/torch_train.py --steps 100 --workers 2 --filter
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zephon import Source
+from zephon import Filter, Source
 from zephon.backends.torch import ZephonDataLoader, ZephonIterableDataset
 from zephon.sources.memory import ArraySource
 from zephon.verify import global_fingerprint
@@ -51,6 +57,12 @@ def dataset() -> ArraySource:
     x = rng.standard_normal((RECORDS, FEATURES)).astype(np.float32)
     teacher = rng.standard_normal((FEATURES, CLASSES)).astype(np.float32)
     return ArraySource({"x": x, "y": (x @ teacher).argmax(axis=1).astype(np.int64)})
+
+
+def not_class_zero(columns: dict) -> np.ndarray:
+    """The `--filter` pipeline's filter: keeps about 3/4 of the records (module-level, so the
+    checkpoint can name it; a lambda would be refused when the state is taken)."""
+    return columns["y"] != 0
 
 
 def model() -> torch.nn.Module:
@@ -77,7 +89,8 @@ def run(rank: int, world: int, args: argparse.Namespace, start: int, stop: int, 
 def train(world: int, args: argparse.Namespace, start: int, stop: int, resume: bool, save: bool) -> dict:
     """Trains global steps [start, stop), optionally resuming from / saving a checkpoint."""
     plan = Source(RECORDS).shuffle(seed=42).repeat().lanes(LANES).batch(BATCH)
-    loader = ZephonDataLoader(ZephonIterableDataset(plan, dataset()), num_workers=args.workers)
+    transforms = [Filter(not_class_zero, batched=True)] if args.filter else []
+    loader = ZephonDataLoader(ZephonIterableDataset(plan, dataset(), transforms), num_workers=args.workers)
     net = DDP(model())
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     ckpt = str(args.out / "checkpoint")
@@ -123,6 +136,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
+    ap.add_argument("--filter", action="store_true", help="drop class 0 on the fly (lane positions "
+                    "in the checkpoint instead of a step count)")
     ap.add_argument("--out", type=Path, default=None, help="directory for checkpoint and logs")
     args = ap.parse_args()
     args.out = args.out or Path(tempfile.mkdtemp(prefix="zephon-torch-train-"))
