@@ -7,7 +7,9 @@ The rank takes its rank and world from `torch.distributed` (never from arguments
 - fingerprints of `DTensor` output over a 1-d device mesh, read back with `full_tensor()`;
 - the refusal of DTensor output for an interleaved lane mapping;
 - for a pipeline with a Filter, lane digests, plus a `torch.distributed.checkpoint` of the
-  loader state after `--split` steps (the test loads it in one process, at world 1).
+  loader state after `--split` steps (the test loads it in one process, at world 1);
+- the same pipeline through `ZephonDataLoader` with 2 workers per rank (each runs 2 of the
+  rank's 4 lanes): lane digests, and a checkpoint of its state after `--split` steps.
 
 `pipeline()`, `filtered()` and `source()` use numpy and zephon core only; the test imports them.
 """
@@ -57,9 +59,11 @@ def filtered() -> tuple[Batch, tuple[Filter, ...]]:
 
 
 def local_digests(step: int, tensors: dict, loader) -> dict[str, str]:  # noqa: ANN001 - a TorchLoader
-    plan = loader.loader.plan
-    batch = LocalBatch(step, {k: v.numpy() for k, v in tensors.items()}, loader.loader.owned,
-                       plan.per_lane, plan.size)
+    return owned_digests(step, tensors, loader.loader.plan, loader.loader.owned)
+
+
+def owned_digests(step: int, tensors: dict, plan: Batch, owned) -> dict[str, str]:  # noqa: ANN001
+    batch = LocalBatch(step, {k: v.numpy() for k, v in tensors.items()}, owned, plan.per_lane, plan.size)
     return {str(lane): d for lane, d in lane_digests(batch).items()}
 
 
@@ -75,7 +79,7 @@ def main() -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zephon.backends.torch import TorchLoader, ZephonIterableDataset
+    from zephon.backends.torch import TorchLoader, ZephonDataLoader, ZephonIterableDataset
     from zephon.errors import PlanError
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -119,6 +123,15 @@ def main() -> None:
             dcp.save({"data": floader.state_dict()}, checkpoint_id=str(args.out / "dcp"))
         step = floader.step
         out["filtered"].append(local_digests(step, next(floader), floader))
+
+    workers = ZephonDataLoader(ZephonIterableDataset(plan, source(), transforms), num_workers=2,
+                               timeout=60)
+    owned = plan.lanes.owned(rank, world)
+    out["filtered_workers"] = []
+    for i, tensors in zip(range(args.steps), workers):
+        out["filtered_workers"].append(owned_digests(i, tensors, plan, owned))
+        if i + 1 == args.split:
+            dcp.save({"data": workers.state_dict()}, checkpoint_id=str(args.out / "dcp_workers"))
 
     dist.barrier()
     dist.destroy_process_group()

@@ -505,3 +505,26 @@ def test_ddp_checkpoint_of_two_ranks_resumes_in_one_process(ddp_run):
         digests = ddp_worker.local_digests(step, next(resumed), resumed)
         got.append(step_fingerprint({int(l): d for l, d in digests.items()}))
     assert got == want[SPLIT:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled", FORK_AFTER_JAX)
+def test_ddp_ranks_with_dataloader_workers_and_their_checkpoint_resume_in_one_process(ddp_run):
+    """Each gloo rank's ZephonDataLoader splits its 4 lanes of a Filter pipeline over 2 workers;
+    their checkpoint resumes at world 1 with 2 workers (each then runs 4 lanes)."""
+    out, ranks = ddp_run
+    p, transforms = ddp_worker.filtered()
+    want = single_process_fingerprints(p, ddp_worker.source(), STEPS, transforms)
+    merged = [step_fingerprint({int(l): d for r in ranks for l, d in r["filtered_workers"][s].items()})
+              for s in range(STEPS)]
+    assert merged == want
+    resumed = tb.ZephonDataLoader(tb.ZephonIterableDataset(p, ddp_worker.source(), transforms),
+                                  num_workers=2, timeout=TIMEOUT)
+    template = {"data": resumed.state_dict()}
+    dcp.load(template, checkpoint_id=str(out / "dcp_workers"))
+    assert template["data"]["step"] == SPLIT
+    resumed.load_state_dict(template["data"])
+    owned = p.lanes.owned(0, 1)
+    got = [step_fingerprint({int(l): d for l, d in ddp_worker.owned_digests(s, t, p, owned).items()})
+           for s, t in zip(range(SPLIT, STEPS), resumed)]
+    assert got == want[SPLIT:]
