@@ -277,7 +277,9 @@ class LaneEngine:
         size = window_size(read_ahead, len(owned), self.per)
         first = self.per
         if mix is not None or pipeline.acc is not None:
-            size = max(8, size // 4)  # per-lane assembly: one lane's documents at a time
+            # documents (tokenize, pack): ~512 inputs a window keep encode_batch efficient while
+            # several windows are in flight on the runner
+            size = max(8, min(size, 512 // max(1, len(owned))))
             first = 2
         self.task = WindowTask(lanes, sources, pipeline.rows, owned, seed, starts, size, first)
         self.pending: list[deque[Window]] = [deque() for _ in range(self.nb)]
