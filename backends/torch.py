@@ -252,34 +252,17 @@ def to_dtensors(tensors: Mapping[str, Any], mesh: Any, mesh_dims: MeshDims = Non
 def state_document(state: Mapping[str, Any], loader: Loader) -> dict[str, Any]:
     """An independent copy of `loader`'s state document (plain dicts, lists, str, int, ...).
 
-    With an accumulator (packing) every lane names its `held` inputs and `carry`, empty or not:
-    a `torch.distributed.checkpoint` load fills only the keys of its template (a fresh loader's
-    state), so a key the template lacked would be dropped without a word. With both present, a
-    carry whose structure the template lacks is a loud "missing key" instead (see the README).
+    With an accumulator (packing) every lane names its `held` inputs and `carry`, empty or not
+    (the core writes both): a `torch.distributed.checkpoint` load fills only the keys of its
+    template (a fresh loader's state), so a carry whose structure the template lacks is a loud
+    "missing key", never a dropped carry (see the README).
     """
-    out = copy.deepcopy(dict(state))
-    if loader.pipeline.acc is not None:
-        out["lanes"] = {k: {"held": [], "carry": None, **v} for k, v in out["lanes"].items()}
-    return out
+    return copy.deepcopy(dict(state))
 
 
 def seek_position(loader: Loader, position: Mapping[str, Any]) -> None:
-    """Puts `loader` at a `position()` taken from a loader of the same plan and pipeline in this
-    job (lanes: a superset of `loader.owned`). No identity check, so it works with lambdas: the
-    position never left the process tree, and a state from outside goes through `restore()`."""
-    if loader.random_access:
-        loader.seek(int(position["step"]))
-        return
-    lanes = position["lanes"]
-    missing = [int(l) for l in loader.owned if str(int(l)) not in lanes]
-    if missing:
-        raise StateError(f"the position lacks lanes {missing[:8]} that this loader owns")
-    states = [LaneState.from_json(lanes[str(int(l))], int(l), loader.branches, loader.token_mix)
-              for l in loader.owned]
-    # TODO(zephon.exec): a public `Loader.seek_position(position)` would replace these internals.
-    loader._stop_pending()
-    loader._step = int(position["step"])
-    loader._lane_states = states
+    """Puts `loader` at a `position()` taken in this job (see `Loader.seek_position`)."""
+    loader.seek_position(position)
 
 
 # --- iteration ----------------------------------------------------------------------------------

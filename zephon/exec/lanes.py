@@ -21,6 +21,7 @@ O(lanes × carry), whatever the step.
 
 from __future__ import annotations
 
+import copy
 import logging
 import traceback
 from collections import deque
@@ -55,13 +56,15 @@ class LaneState:
     def start(branches: int = 1, cursor: int = 0, mixed: bool = False) -> "LaneState":
         return LaneState((cursor,) * branches, (0,) * branches, (0,) * branches if mixed else ())
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, carry: bool = False) -> dict[str, Any]:
+        """JSON (a copy); `carry=True` writes `held`/`carry` even when empty, as pipelines with
+        an accumulator do, so every lane of their state has the same keys."""
         out: dict[str, Any] = {"cursor": list(self.cursor), "skip": list(self.skip)}
         if self.mix:
             out["mix"] = list(self.mix)
-        if self.held or self.carry is not None:
+        if carry or self.held or self.carry is not None:
             out["held"] = [list(h) for h in self.held]
-            out["carry"] = self.carry
+            out["carry"] = copy.deepcopy(self.carry)
         return out
 
     @staticmethod

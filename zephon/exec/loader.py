@@ -104,12 +104,14 @@ class Loader:
         (or lane windows) ahead in parallel; changes speed, never data. `close()` closes it.
       start_step: first global batch (random-access pipelines; others restore a state).
       read_ahead: rows one read aims for (default `READ_AHEAD_ROWS`). Changes speed, never data.
+      lanes: produce only these of the rank's lanes (in lane order) — how DataLoader workers
+        split a rank's lanes; `position()`/`state()` then cover just them (merge them).
     """
 
     def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
                  transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
                  seed: int = 0, rank: int = 0, world: int = 1, runner: Any = None, start_step: int = 0,
-                 read_ahead: int | None = None) -> None:
+                 read_ahead: int | None = None, lanes: Sequence[int] | None = None) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         self.plan = plan
@@ -130,6 +132,12 @@ class Loader:
         self.seed = int(seed)
         self.rank, self.world = int(rank), int(world)
         self.owned = plan.lanes.owned(self.rank, self.world)
+        if lanes is not None:  # a subset of the rank's lanes (e.g. one DataLoader worker's)
+            sub = np.asarray(list(lanes), np.int64)
+            if sub.ndim != 1 or not sub.size or not np.isin(sub, self.owned).all() or np.any(np.diff(sub) <= 0):
+                raise PlanError(f"lanes={list(lanes)} must be a non-empty, increasing subset of the "
+                                f"lanes rank {self.rank} of {self.world} owns ({self.owned.tolist()}).")
+            self.owned = sub
         self.branches = len(plan.lanes.branches)
         self.token_mix = self.branches > 1
         #: Whether batches are random access (every lane position is `step × B/L`).
@@ -264,7 +272,8 @@ class Loader:
             lanes = {str(int(l)): LaneState.start(1, self._step * self.plan.per_lane).to_json()
                      for l in self.owned}
         else:
-            lanes = {str(int(l)): s.to_json() for l, s in zip(self.owned, self._lane_states)}
+            acc = self.pipeline.acc is not None
+            lanes = {str(int(l)): s.to_json(acc) for l, s in zip(self.owned, self._lane_states)}
         return {"step": self._step, "lanes": lanes}
 
     def state_from(self, position: Mapping[str, Any]) -> dict[str, Any]:
@@ -308,8 +317,16 @@ class Loader:
             raise StateError("this checkpoint was written by a different pipeline: "
                              f"{'; '.join(diffs[:5])}. Resume with the operators that wrote it (same "
                              "name, version and config), or start from step 0.")
-        step = state["step"]
-        lanes = state.get("lanes")
+        self.seek_position(state)
+
+    def seek_position(self, position: Mapping[str, Any]) -> None:
+        """Continues from a `position()` (or state) of a loader of the same plan and pipeline
+        whose lanes include this one's, without the identity check of `restore` — for backends
+        that hand positions between their own workers in one job (pipelines with lambdas too)."""
+        step = position.get("step") if isinstance(position, Mapping) else None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise StateError(f"the state's step {step!r} is not a non-negative integer")
+        lanes = position.get("lanes")
         if not isinstance(lanes, Mapping):
             raise StateError(f"the state's 'lanes' is {type(lanes).__name__}, expected an object "
                              "{lane: state}")
