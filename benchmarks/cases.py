@@ -249,6 +249,15 @@ CASES = {"zephon": case_zephon, "grain": case_grain, "raw_array_record": case_ra
          "raw_parquet": case_raw_parquet, "plan_memory": case_plan_memory, "resume": case_resume}
 
 
+def _filter_cases() -> dict[str, Callable[..., dict[str, Any]]]:
+    from bench_filter import CASES as filter_cases  # issue 11: filter pipeline vs one-to-one vs Grain
+
+    return filter_cases
+
+
+CASES.update(_filter_cases())
+
+
 def child_main() -> None:
     spec = json.loads(sys.argv[1])
     ds = DataSet(**spec.pop("dataset"))

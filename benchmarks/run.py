@@ -21,6 +21,15 @@ interleaved, so machine noise hits every row alike; the table shows medians):
                                                    per read-ahead window)
     zephon parquet, one batch a read          read_ahead = one batch: what grouping saves
     raw parquet, whole files                  pyarrow reading whole files into numpy (no shuffle)
+  Filter (issue 11; its own report, filter.json / filter.png; `--only filter` runs just this):
+    zephon filter inline | threads:2 | processes:2   the plan above + [Filter(keep_half, batched=True)],
+                                              keeping ~50% (token 1, a hash of the id, even): the
+                                              lane engine; rated in *input* records/s (emitted rows/s
+                                              ÷ the exact keep fraction of the data set)
+    zephon one-to-one inline | threads:2 | processes:2   the same plan without the filter
+    grain filter <config>                     the same filter in every Grain configuration that
+                                              has one (bench_filter.GRAIN_FILTER_CONFIGS)
+    targets: filter best / one-to-one best >= 60%, filter best / Grain best >= 3x
   Scaling:
     plan memory                               peak RSS iterating a plan over 10**4 vs 10**9 records
     resume                                    time to the first batch at step 0, at start_step=10**6,
@@ -58,6 +67,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+import bench_filter  # noqa: E402
 import data  # noqa: E402  (a sibling module, also imported by the case processes)
 from zephon.exec.steps import READ_AHEAD_ROWS  # noqa: E402
 
@@ -81,8 +91,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every case")
     p.add_argument("--max-seconds", type=float, default=4.0,
                    help="steady-state seconds measured per case, after warm-up")
-    p.add_argument("--only", default="array_record,parquet,scaling",
-                   help="families to run: array_record, parquet, scaling")
+    p.add_argument("--only", default="array_record,parquet,scaling,filter",
+                   help="families to run: array_record, parquet, scaling, filter")
+    p.add_argument("--filter-runners", default="inline,threads:2,processes:2",
+                   help="Zephon runners of the filter family (filter and one-to-one rows)")
+    p.add_argument("--filter-name", default="filter", help="results file stem of the filter family")
     p.add_argument("--quick", action="store_true", help="20k records, 1 round, 2 s a case")
     p.add_argument("--data-dir", default=str(HERE / "data"), help="where data sets are cached")
     p.add_argument("--out", default=str(HERE / "results"), help="results directory")
@@ -129,6 +142,17 @@ def build_cases(args: argparse.Namespace, ds: data.DataSet, workers: int) -> lis
                 runner="inline", batch=b, max_seconds=min(ms, 2.0), read_ahead=b)
     if "parquet" in only:
         add("raw-parquet", "raw parquet, whole files", kind="raw_parquet", max_seconds=ms)
+    if "filter" in only:
+        for b in batches:
+            for r in [r.strip() for r in args.filter_runners.split(",") if r.strip()]:
+                add("filter-zephon", f"zephon filter {r}", kind="zephon_filter", runner=r, batch=b,
+                    max_seconds=ms)
+                add("filter-one-to-one", f"zephon one-to-one {r}", kind="zephon_one_to_one",
+                    runner=r, batch=b, max_seconds=ms)
+            for g in bench_filter.GRAIN_FILTER_CONFIGS:
+                cfg = g.format(w=workers)
+                add("filter-grain", f"grain filter {cfg}", kind="grain_filter", config=cfg, batch=b,
+                    max_seconds=ms, workers=workers)
     if "scaling" in only:
         for size in (10**4, 10**9):
             add("scaling", f"plan memory, {size:.0e} records", kind="plan_memory", size=size,
@@ -415,30 +439,42 @@ def main(argv: list[str] | None = None) -> int:
                     tqdm.write(f"ERROR in {case['label']} B={case['batch']}: {result['error']}\n{result.get('stderr', '')}")
                 bar.update()
     env["load_avg_end"] = os.getloadavg()
-    summary = summarise(cases, runs)
-    targets = check_targets(summary["ratios"])
     batches = [int(b) for b in args.batches.split(",")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"environment": env, "dataset": ds.to_json(), "args": vars(args), **summary,
-              "targets": [{"target": t, "measured": m, "met": ok} for t, m, ok in targets],
-              "cases": [{**c, "spec": {k: v for k, v in c["spec"].items() if k != "dataset"},
-                         "measurements": runs[i]} for i, c in enumerate(cases)]}
-    (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1, default=str))
-    text = table(summary, batches)
-    print()
-    print(f"{env['command']}  ({ds.records} records x {ds.width} int32, {ds.shards} shards, "
-          f"writer '{ds.writer_options}', {env['cpus']} CPUs, {args.rounds} rounds, medians; "
-          f"load avg {env['load_avg_start'][0]:.1f} -> {env['load_avg_end'][0]:.1f})")
-    print(text)
-    print()
-    for t, m, ok in targets:
-        print(f"  [{'met' if ok else 'MISSED'}] {t}: {m}")
-    if not args.no_plot:
-        plot(summary, batches, out_dir / f"{args.name}.png",
-             f"{env['command']} — {ds.records} records x {ds.width} int32, {env['cpus']} CPUs, medians of {args.rounds}")
-    print(f"\nresults: {out_dir / (args.name + '.json')}" + ("" if args.no_plot else f", {out_dir / (args.name + '.png')}"))
-    return 0 if all(not r["errors"] for r in summary["rows"]) else 1
+    head = (f"{env['command']}  ({ds.records} records x {ds.width} int32, {ds.shards} shards, "
+            f"writer '{ds.writer_options}', {env['cpus']} CPUs, {args.rounds} rounds, medians; "
+            f"load avg {env['load_avg_start'][0]:.1f} -> {env['load_avg_end'][0]:.1f})")
+    title = f"{env['command']} — {ds.records} records x {ds.width} int32, {env['cpus']} CPUs, medians of {args.rounds}"
+    ok = True
+    # the head-to-head families -> <name>.json/png; the filter family -> <filter-name>.json/png
+    parts = [(args.name, [i for i, c in enumerate(cases) if c["family"] not in bench_filter.FAMILIES],
+              summarise, check_targets, table, plot),
+             (args.filter_name, [i for i, c in enumerate(cases) if c["family"] in bench_filter.FAMILIES],
+              bench_filter.summarise, bench_filter.check_targets, bench_filter.table, bench_filter.plot)]
+    for name, idx, summ, targ, tab, plt_ in parts:
+        if not idx:
+            continue  # a family not run leaves its earlier results alone
+        sub_cases = [cases[i] for i in idx]
+        sub_runs = {k: runs[i] for k, i in enumerate(idx)}
+        summary = summ(sub_cases, sub_runs)
+        targets = targ(summary["ratios"])
+        report = {"environment": env, "dataset": ds.to_json(), "args": vars(args), **summary,
+                  "targets": [{"target": t, "measured": m, "met": met} for t, m, met in targets],
+                  "cases": [{**c, "spec": {k: v for k, v in c["spec"].items() if k != "dataset"},
+                             "measurements": sub_runs[k]} for k, c in enumerate(sub_cases)]}
+        (out_dir / f"{name}.json").write_text(json.dumps(report, indent=1, default=str))
+        print()
+        print(head)
+        print(tab(summary, batches))
+        print()
+        for t, m, met in targets:
+            print(f"  [{'met' if met else 'MISSED'}] {t}: {m}")
+        if not args.no_plot:
+            plt_(summary, batches, out_dir / f"{name}.png", title)
+        print(f"\nresults: {out_dir / (name + '.json')}" + ("" if args.no_plot else f", {out_dir / (name + '.png')}"))
+        ok = ok and all(not r["errors"] for r in summary["rows"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
