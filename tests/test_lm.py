@@ -327,3 +327,17 @@ def test_packed_batches_identical_in_numpy_jax_and_torch(corpora):
                 assert np.array_equal(t.float().numpy(), v.astype(np.float32))
             else:
                 assert np.array_equal(t.numpy(), v)
+
+
+def test_token_mix_without_packing_is_elastic_and_names_records(corpora):
+    prose, code, tok = corpora
+    p = mixed_plan(120, 80)
+    per_source = {0: [Tokenize(tok)], 1: [Tokenize(tok, field="body")]}
+    ref = run_fingerprints([Loader(p, mixed_sources(corpora), per_source=per_source)], 10)
+    for D in (2, 4):
+        ls = [Loader(p, mixed_sources(corpora), per_source=per_source, rank=r, world=D) for r in range(D)]
+        assert run_fingerprints(ls, 10) == ref
+    b = next(Loader(p, mixed_sources(corpora), per_source=per_source))
+    assert b.refs is not None and set(b.refs.source.tolist()) == {0, 1}
+    assert [len(t) for t in b.data["tokens"]] == [len(e.ids) for e in tok.encode_batch(
+        [prose[r] if s == 0 else code[r] for s, r in zip(b.refs.source, b.refs.record)], add_special_tokens=False)]

@@ -467,7 +467,7 @@ class LaneEngine:
             counts[b] += _count(win.cols, field_name, r)
         return rows, branches
 
-    def _general_step(self) -> tuple[Columns, list[list[tuple[int, int, int, int, int]]]]:
+    def _general_step(self) -> tuple[Columns, Any]:
         per = self.per
         acc = self.pipeline.acc
         lane_outs: list[Columns] = []
@@ -493,7 +493,7 @@ class LaneEngine:
                 if acc is None:
                     used = min(demand, len(rows))
                     outs = take_rows(new, np.arange(used))
-                    segs = [[(p[3], p[4], p[5], 0, -1)] for p in new_prov[:used]]
+                    segs = [[(p[3], p[4], p[5], -1, -1)] for p in new_prov[:used]]  # whole rows
                     produced_now = used
                 else:
                     queue = concat_cols([held_cols, new]) if held_cols else new
@@ -539,6 +539,9 @@ class LaneEngine:
                                         tuple((p[0], p[1], p[2]) for p in held_prov), carry))
         self._skip_applied = True
         self.states = _normalise(new_states, self.pipeline.expands)
+        if acc is None:  # whole records (a mix by tokens without packing): plain refs
+            refs = np.array([row[0][:3] for row in provenance], np.int64).reshape(-1, 3)
+            return concat_cols(lane_outs), Refs(refs[:, 0].copy(), refs[:, 1].copy(), refs[:, 2].copy())
         return concat_cols(lane_outs), provenance
 
     def next(self) -> tuple[Columns, Any]:
