@@ -52,7 +52,6 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from zephon.errors import PlanError, StateError
-from zephon.exec.lanes import LaneState
 from zephon.exec.loader import Loader, LocalBatch
 from zephon.plan import Batch
 from zephon.sources.base import RecordSource

@@ -21,237 +21,21 @@ O(lanes × carry), whatever the step.
 
 from __future__ import annotations
 
-import copy
 import logging
-import traceback
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from zephon.errors import PlanError, StateError
-from zephon.exec.steps import read_refs
-from zephon.ops.base import Accumulator, Transform, run_transforms, sub_index
-from zephon.plan import Batch, Lanes, Mix, Refs
+from zephon.errors import PlanError
+from zephon.exec.windows import (Provenance, Window, WindowTask, concat_cols, rematerialize,
+                                 take_rows, window_size)
+from zephon.exec.pipeline import LanePipeline
+from zephon.exec.state import LaneState
+from zephon.plan import Batch, Mix, Refs
 from zephon.sources.base import Columns, RecordSource
 
 log = logging.getLogger(__name__)
-
-
-# --- lane state ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LaneState:
-    """Where a lane stands: per branch its next input (`cursor`) and how many outputs of that
-    input it already used (`skip`), the mix counters, the inputs an accumulator holds (as
-    `[branch, input, output]` positions) and the accumulator's JSON carry."""
-
-    cursor: tuple[int, ...]
-    skip: tuple[int, ...] = ()
-    mix: tuple[int, ...] = ()
-    held: tuple[tuple[int, int, int], ...] = ()
-    carry: Any = None
-
-    @staticmethod
-    def start(branches: int = 1, cursor: int = 0, mixed: bool = False) -> "LaneState":
-        return LaneState((cursor,) * branches, (0,) * branches, (0,) * branches if mixed else ())
-
-    def to_json(self, carry: bool = False) -> dict[str, Any]:
-        """JSON (a copy); `carry=True` writes `held`/`carry` even when empty, as pipelines with
-        an accumulator do, so every lane of their state has the same keys."""
-        out: dict[str, Any] = {"cursor": list(self.cursor), "skip": list(self.skip)}
-        if self.mix:
-            out["mix"] = list(self.mix)
-        if carry or self.held or self.carry is not None:
-            out["held"] = [list(h) for h in self.held]
-            out["carry"] = copy.deepcopy(self.carry)
-        return out
-
-    @staticmethod
-    def from_json(obj: Any, lane: int | str = "?", branches: int = 1, mixed: bool = False) -> "LaneState":
-        where = f"lane {lane} of the state"
-        if not isinstance(obj, Mapping):
-            raise StateError(f"{where} is {type(obj).__name__}, expected an object with 'cursor'")
-
-        def ints(key: str, n: int, default: int | None = None) -> tuple[int, ...]:
-            v = obj.get(key)
-            if v is None and default is not None:
-                return (default,) * n
-            if isinstance(v, int) and not isinstance(v, bool) and n == 1:
-                v = [v]
-            if (not isinstance(v, list) or len(v) != n
-                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in v)):
-                raise StateError(f"{where} has an invalid {key!r}: {v!r}; expected {n} non-negative "
-                                 "integer(s). The state was edited or belongs to another pipeline.")
-            return tuple(v)
-
-        cursor = ints("cursor", branches)
-        skip = ints("skip", branches, 0)
-        mix = ints("mix", branches) if mixed else ()
-        held_raw = obj.get("held", [])
-        if (not isinstance(held_raw, list) or any(
-                not isinstance(h, list) or len(h) != 3 or any(isinstance(x, bool) or not isinstance(x, int)
-                                                              or x < 0 for x in h) or h[0] >= branches
-                for h in held_raw)):
-            raise StateError(f"{where} has an invalid 'held' list {held_raw!r}; expected "
-                             "[branch, input, output] triples.")
-        return LaneState(cursor, skip, mix, tuple(tuple(h) for h in held_raw), obj.get("carry"))
-
-
-# --- the pipeline as the engine sees it ---------------------------------------------------------
-@dataclass(frozen=True)
-class LanePipeline:
-    """Row operators (parallel), an optional accumulator and one-to-one operators after it."""
-
-    rows: tuple[Transform, ...]
-    acc: Accumulator | None = None
-    post: tuple[Transform, ...] = ()
-
-    @staticmethod
-    def split(ops: Sequence[Any]) -> "LanePipeline":
-        rows: list[Transform] = []
-        acc: Accumulator | None = None
-        post: list[Transform] = []
-        for op in ops:
-            if isinstance(op, Accumulator):
-                if acc is not None:
-                    raise PlanError(f"a pipeline may hold one accumulator; got {acc.op_name} and "
-                                    f"{op.op_name}. Fold them into one operator.")
-                acc = op
-            elif isinstance(op, Transform):
-                if acc is not None and not op.one_to_one:
-                    raise PlanError(f"{op.op_name} changes the number of rows after the accumulator "
-                                    f"{acc.op_name}; only one-to-one operators may follow it. Move "
-                                    "it before the accumulator.")
-                (post if acc is not None else rows).append(op)
-            else:
-                raise PlanError(f"{op!r} is not a lane operator; use zephon.Map/Filter/FlatMap/"
-                                "RandomMap, a Transform or an Accumulator subclass.")
-        return LanePipeline(tuple(rows), acc, tuple(post))
-
-    @property
-    def ops(self) -> tuple[Any, ...]:
-        return self.rows + ((self.acc,) if self.acc is not None else ()) + self.post
-
-    @property
-    def one_to_one(self) -> bool:
-        return self.acc is None and all(t.one_to_one for t in self.rows)
-
-    @property
-    def expands(self) -> bool:
-        return any(t.expands for t in self.rows)
-
-
-# --- windows: the parallel part -----------------------------------------------------------------
-@dataclass
-class Window:
-    """Outputs of the row operators over inputs `[start, start + size)` of every owned lane.
-
-    Rows are lane-major, in input order. `bounds[k]:bounds[k+1]` are lane k's rows; `ended[k]`
-    is true when lane k's inputs ran out inside this window (a finite plan).
-    """
-
-    branch: int
-    number: int
-    cols: Columns
-    index: np.ndarray
-    sub: np.ndarray
-    refs: Refs
-    bounds: np.ndarray
-    ended: np.ndarray
-    error: BaseException | None = None
-    traceback: str = ""
-    used: np.ndarray = field(default=None)  # type: ignore[assignment]
-
-    def raise_error(self) -> None:
-        if self.error is None:
-            return
-        if self.error.__traceback__ is None and self.traceback:  # crossed a process boundary
-            from zephon.runners import RemoteTraceback
-
-            raise self.error from RemoteTraceback(self.traceback)
-        raise self.error
-
-
-@dataclass(frozen=True)
-class WindowTask:
-    """`(branch, w) -> Window`: pure and picklable; what a runner maps over."""
-
-    lanes: Lanes
-    sources: Mapping[int, RecordSource]
-    rows: tuple[Transform, ...]
-    owned: np.ndarray
-    seed: int
-    starts: tuple[np.ndarray, ...]
-    size: int
-    first: int = 0
-
-    def span(self, w: int) -> tuple[int, int]:
-        """(offset, length) of window w in every lane: lengths double from `first` up to
-        `size`, so the first batch comes quickly and later reads are large."""
-        first = max(1, min(self.first or self.size, self.size))
-        k = 0
-        while first << k < self.size and k < w:
-            k += 1
-        if k == w:  # still in the doubling phase
-            return first * ((1 << w) - 1), min(first << w, self.size)
-        ramp = first * ((1 << k) - 1)
-        return ramp + (w - k) * self.size, self.size
-
-    def __call__(self, item: tuple[int, int]) -> Window:
-        branch, w = item
-        n = len(self.owned)
-        offset, size = self.span(w)
-        lo = self.starts[branch] + offset
-        count = np.full(n, size, np.int64)
-        limit = self.lanes.branch_length(branch)
-        if limit is not None:
-            count = np.clip(limit - lo, 0, size)
-        ended = count < size
-        lane_rank = np.repeat(np.arange(n, dtype=np.int64), count)
-        index = lo[lane_rank] + (np.arange(count.sum(), dtype=np.int64)
-                                 - np.repeat(np.cumsum(count) - count, count))
-        try:
-            refs = self.lanes.resolve_lanes(self.owned[lane_rank], index, branch)
-            cols = read_refs(self.sources, refs) if len(refs) else {}
-            cols, src = run_transforms(self.rows, cols, refs, self.seed)
-        except Exception as e:  # noqa: BLE001 - raised in the consumer when the window is needed
-            empty = np.zeros(0, np.int64)
-            return Window(branch, w, {}, empty, empty, Refs(empty, empty, empty),
-                          np.zeros(n + 1, np.int64), ended, e, traceback.format_exc())
-        lane_out = lane_rank[src]
-        bounds = np.searchsorted(lane_out, np.arange(n + 1), side="left").astype(np.int64)
-        return Window(branch, w, cols, index[src], sub_index(src), refs.take(src), bounds, ended)
-
-
-def window_size(read_ahead: int, lanes: int, per_lane: int) -> int:
-    """Inputs per lane in one window: about `read_ahead` rows over all owned lanes."""
-    return max(per_lane, read_ahead // max(1, lanes))
-
-
-def take_rows(cols: Columns, rows: np.ndarray) -> Columns:
-    return {k: v[rows] for k, v in cols.items()}
-
-
-def concat_cols(parts: Sequence[Columns]) -> Columns:
-    parts = [p for p in parts if p]
-    if not parts:
-        return {}
-    if len(parts) == 1:
-        return parts[0]
-    names = parts[0].keys()
-    out: Columns = {}
-    for k in names:
-        vs = [p[k] for p in parts]
-        if any(v.dtype == object for v in vs) and not all(v.dtype == object for v in vs):
-            vs = [v.astype(object) if v.dtype != object else v for v in vs]
-        try:
-            out[k] = np.concatenate(vs)
-        except ValueError as e:
-            shapes = sorted({f"{v.dtype}{v.shape[1:]}" for v in vs})
-            raise PlanError(f"field {k!r} comes as {shapes} in different rows of one lane; map every "
-                            "source to one schema (fixed shapes, or ragged object columns).") from e
-    return out
 
 
 # --- the engine: the sequential part -------------------------------------------------------------
@@ -291,10 +75,8 @@ class LaneEngine:
         self._ended = [np.zeros(len(owned), bool) for _ in range(self.nb)]
         self._runner = runner
         self._results: Iterator[Window] | None = None
-        # per-lane read positions into pending windows: (window, row) per branch
-        self._pos: list[list[tuple[int, int]]] = [[(0, 0)] * len(owned) for _ in range(self.nb)]
         self._skip_applied = False
-        self._held: list[tuple[Columns, list[tuple[int, int, int, int, int, int]]]] = []
+        self._held: list[tuple[Columns, list[Provenance]]] = []
         if pipeline.acc is not None:
             self._held = rematerialize(self.task, self.states)
 
@@ -582,41 +364,3 @@ def _gather(rows: list[tuple[Window, int]]) -> Columns:
         parts.append(take_rows(win.cols, np.fromiter((r for _, r in rows[i:j]), np.int64, j - i)))
         i = j
     return concat_cols(parts)
-
-
-def rematerialize(task: WindowTask, states: Sequence[LaneState]
-                  ) -> list[tuple[Columns, list[tuple[int, int, int, int, int, int]]]]:
-    """Re-reads and re-processes the inputs each lane's accumulator holds (after a restore).
-
-    One read per branch over all lanes' held inputs; the work is O(lanes × held), not O(steps).
-    """
-    out: list[tuple[Columns, list[tuple[int, int, int, int, int, int]]]] = [({}, []) for _ in states]
-    for b in range(len(task.starts)):
-        want = [(k, i, h) for k, st in enumerate(states) for i, h in enumerate(st.held) if h[0] == b]
-        if not want:
-            continue
-        lane = np.array([task.owned[k] for k, _, _ in want], np.int64)
-        index = np.array([h[1] for _, _, h in want], np.int64)
-        refs = task.lanes.resolve_lanes(lane, index, b)
-        cols, src = run_transforms(task.rows, read_refs(task.sources, refs), refs, task.seed)
-        sub = sub_index(src)
-        for j, (k, i, h) in enumerate(want):
-            hit = np.flatnonzero((src == j) & (sub == h[2]))
-            if not hit.size:
-                raise StateError(f"lane {int(task.owned[k])} holds output {h[2]} of input {h[1]} "
-                                 "but re-processing that input gives fewer outputs: the data or "
-                                 "the pipeline changed since the checkpoint.")
-            r = int(hit[0])
-            row = take_rows(cols, np.array([r]))
-            prev_cols, prev = out[k]
-            out[k] = (concat_cols([prev_cols, row]) if prev_cols else row,
-                      prev + [(b, h[1], h[2], int(refs.source[j]), int(refs.record[j]), int(refs.epoch[j]))])
-    # held inputs were gathered branch by branch: put them back in each lane's hold order
-    for k, st in enumerate(states):
-        if len({h[0] for h in st.held}) > 1:
-            cols, prov = out[k]
-            key = {(p[0], p[1], p[2]): i for i, p in enumerate(prov)}
-            order = np.array([key[tuple(h)] for h in st.held], np.int64)
-            out[k] = (take_rows(cols, order), [prov[i] for i in order])
-    return out
-

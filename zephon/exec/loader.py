@@ -18,7 +18,9 @@ import numpy as np
 
 from zephon.checkpoint import STATE_VERSION, check_state_version
 from zephon.errors import PlanError, StateError
-from zephon.exec.lanes import LaneEngine, LanePipeline, LaneState
+from zephon.exec.lanes import LaneEngine
+from zephon.exec.pipeline import LanePipeline
+from zephon.exec.state import LaneState
 from zephon.exec.steps import (READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps,
                                leaf_sources)
 from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transforms

@@ -1,0 +1,72 @@
+"""A lane's position: what a checkpoint stores per lane, and nothing more.
+
+Per branch (a token mix reads each source's lane stream separately) the next input and how many
+of its outputs were already used; the mix's token counters; the inputs an accumulator still holds,
+named by position (`[branch, input, output]`), and its JSON carry. Never data, never pickles.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from zephon.errors import StateError
+
+
+@dataclass(frozen=True)
+class LaneState:
+    """Where a lane stands: per branch its next input (`cursor`) and how many outputs of that
+    input it already used (`skip`), the mix counters, the inputs an accumulator holds (as
+    `[branch, input, output]` positions) and the accumulator's JSON carry."""
+
+    cursor: tuple[int, ...]
+    skip: tuple[int, ...] = ()
+    mix: tuple[int, ...] = ()
+    held: tuple[tuple[int, int, int], ...] = ()
+    carry: Any = None
+
+    @staticmethod
+    def start(branches: int = 1, cursor: int = 0, mixed: bool = False) -> "LaneState":
+        return LaneState((cursor,) * branches, (0,) * branches, (0,) * branches if mixed else ())
+
+    def to_json(self, carry: bool = False) -> dict[str, Any]:
+        """JSON (a copy); `carry=True` writes `held`/`carry` even when empty, as pipelines with
+        an accumulator do, so every lane of their state has the same keys."""
+        out: dict[str, Any] = {"cursor": list(self.cursor), "skip": list(self.skip)}
+        if self.mix:
+            out["mix"] = list(self.mix)
+        if carry or self.held or self.carry is not None:
+            out["held"] = [list(h) for h in self.held]
+            out["carry"] = copy.deepcopy(self.carry)
+        return out
+
+    @staticmethod
+    def from_json(obj: Any, lane: int | str = "?", branches: int = 1, mixed: bool = False) -> "LaneState":
+        where = f"lane {lane} of the state"
+        if not isinstance(obj, Mapping):
+            raise StateError(f"{where} is {type(obj).__name__}, expected an object with 'cursor'")
+
+        def ints(key: str, n: int, default: int | None = None) -> tuple[int, ...]:
+            v = obj.get(key)
+            if v is None and default is not None:
+                return (default,) * n
+            if isinstance(v, int) and not isinstance(v, bool) and n == 1:
+                v = [v]
+            if (not isinstance(v, list) or len(v) != n
+                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in v)):
+                raise StateError(f"{where} has an invalid {key!r}: {v!r}; expected {n} non-negative "
+                                 "integer(s). The state was edited or belongs to another pipeline.")
+            return tuple(v)
+
+        cursor = ints("cursor", branches)
+        skip = ints("skip", branches, 0)
+        mix = ints("mix", branches) if mixed else ()
+        held_raw = obj.get("held", [])
+        if (not isinstance(held_raw, list) or any(
+                not isinstance(h, list) or len(h) != 3 or any(isinstance(x, bool) or not isinstance(x, int)
+                                                              or x < 0 for x in h) or h[0] >= branches
+                for h in held_raw)):
+            raise StateError(f"{where} has an invalid 'held' list {held_raw!r}; expected "
+                             "[branch, input, output] triples.")
+        return LaneState(cursor, skip, mix, tuple(tuple(h) for h in held_raw), obj.get("carry"))
