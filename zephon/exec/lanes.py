@@ -59,8 +59,9 @@ class LaneEngine:
             w = mix.normalized
             self._inv_w = np.where(w > 0, 1.0 / np.where(w > 0, w, 1.0), np.inf)
         self.per = plan.per_lane
-        self.states = list(states)
-        starts = tuple(np.array([s.cursor[b] for s in self.states], np.int64) for b in range(self.nb))
+        self._states = list(states)
+        self._simple: tuple[np.ndarray, np.ndarray] | None = None  # (cursor, skip) of the simple path
+        starts = tuple(np.array([s.cursor[b] for s in self._states], np.int64) for b in range(self.nb))
         size = window_size(read_ahead, len(owned), self.per)
         first = self.per
         if mix is not None or pipeline.acc is not None:
@@ -79,6 +80,16 @@ class LaneEngine:
         self._held: list[tuple[Columns, list[Provenance]]] = []
         if pipeline.acc is not None:
             self._held = rematerialize(self.task, self.states)
+
+    @property
+    def states(self) -> list[LaneState]:
+        """The owned lanes' states after the last step (built on demand: a step only updates
+        arrays on the simple path)."""
+        if self._simple is not None:
+            cur, skip = self._simple
+            self._states = [LaneState((int(c),), (int(k),)) for c, k in zip(cur, skip)]
+            self._simple = None
+        return self._states
 
     # --- windows ------------------------------------------------------------------------------
     def _items(self) -> Iterator[tuple[int, int]]:
@@ -164,8 +175,8 @@ class LaneEngine:
         while self.pending[0] and np.all(self.pending[0][0].used >= self.pending[0][0].bounds[1:]):
             self.pending[0].popleft()
         expands = self.pipeline.expands
-        self.states = [LaneState((int(i) if expands else int(i) + 1,), (int(s) + 1 if expands else 0,))
-                       for i, s in zip(last_idx, last_sub)]
+        # positions are written canonically: after a fully used input, (input + 1, 0)
+        self._simple = (last_idx, last_sub + 1) if expands else (last_idx + 1, np.zeros_like(last_sub))
         total = n * per
         out: Columns = {}
         src = np.empty(total, np.int64)
@@ -320,7 +331,7 @@ class LaneEngine:
             new_states.append(LaneState(tuple(cursor), tuple(skip), tuple(mix),
                                         tuple((p[0], p[1], p[2]) for p in held_prov), carry))
         self._skip_applied = True
-        self.states = _normalise(new_states, self.pipeline.expands)
+        self._states = _normalise(new_states, self.pipeline.expands)
         if acc is None:  # whole records (a mix by tokens without packing): plain refs
             refs = np.array([row[0][:3] for row in provenance], np.int64).reshape(-1, 3)
             return concat_cols(lane_outs), Refs(refs[:, 0].copy(), refs[:, 1].copy(), refs[:, 2].copy())

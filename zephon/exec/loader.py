@@ -210,7 +210,6 @@ class Loader:
             except BaseException:
                 self._stop_pending()  # state stays after the last yielded batch
                 raise
-            self._lane_states = self._engine.states
             if isinstance(prov, Refs):
                 batch = self._batch(self._step, cols, refs=prov)
             else:
@@ -225,6 +224,7 @@ class Loader:
             closer()
         engine, self._engine = self._engine, None
         if engine is not None:
+            self._lane_states = engine.states
             engine.close()
 
     def _need_random_access(self, what: str) -> None:
@@ -275,7 +275,8 @@ class Loader:
                      for l in self.owned}
         else:
             acc = self.pipeline.acc is not None
-            lanes = {str(int(l)): s.to_json(acc) for l, s in zip(self.owned, self._lane_states)}
+            states = self._engine.states if self._engine is not None else self._lane_states
+            lanes = {str(int(l)): s.to_json(acc) for l, s in zip(self.owned, states)}
         return {"step": self._step, "lanes": lanes}
 
     def state_from(self, position: Mapping[str, Any]) -> dict[str, Any]:
