@@ -61,6 +61,9 @@ class LaneEngine:
         self.per = plan.per_lane
         self._states = list(states)
         self._simple: tuple[np.ndarray, np.ndarray] | None = None  # (cursor, skip) of the simple path
+        self._ready: deque[tuple[Columns, Refs, tuple[np.ndarray, np.ndarray]]] = deque()
+        #: steps the simple path assembles in one pass (bounded like a group read)
+        self._group = max(1, min(64, read_ahead // max(1, len(owned) * plan.per_lane)))
         starts = tuple(np.array([s.cursor[b] for s in self._states], np.int64) for b in range(self.nb))
         size = window_size(read_ahead, len(owned), self.per)
         first = self.per
@@ -138,35 +141,40 @@ class LaneEngine:
             first = rows[(win.index[rows] == self.states[k].cursor[0]) & (win.sub[rows] < skip[k])]
             win.used[k] += len(first)
 
-    def _simple_step(self) -> tuple[Columns, Refs]:
+    def _simple_steps(self) -> None:
+        """Assembles as many whole steps as the fetched windows hold (at least one) in one
+        vectorised pass, into `self._ready`: per step its columns (views), refs and positions."""
         if not self._skip_applied:
             self._apply_skip()
         n, per = len(self.owned), self.per
-        need = np.full(n, per, np.int64)
+        avail = sum((w.bounds[1:] - w.used for w in self.pending[0]), np.zeros(n, np.int64))
+        steps = int(max(1, min(self._group, avail.min() // per if n else 1)))
+        need0 = steps * per
+        need = np.full(n, need0, np.int64)
         parts: list[tuple[Window, np.ndarray, np.ndarray]] = []
+        index_at = np.empty((n, need0), np.int64)
+        sub_at = np.empty((n, need0), np.int64)
         wi = 0
-        last_idx = np.full(n, -1, np.int64)
-        last_sub = np.zeros(n, np.int64)
         while need.any():
             if wi == len(self.pending[0]):
                 if self._ended[0][need > 0].any():
-                    raise StopIteration
+                    full = int((need0 - need).min() // per)  # steps every lane completed
+                    if full == 0:
+                        raise StopIteration
+                    steps, need0 = full, full * per
+                    break
                 self._pull(0)
             win = self.pending[0][wi]
             win.raise_error()
-            avail = win.bounds[1:] - win.used
-            take = np.minimum(avail, need)
+            take = np.minimum(win.bounds[1:] - win.used, need)
             if take.any():
                 tot = int(take.sum())
-                off = np.repeat(np.cumsum(take) - take, take)
-                within = np.arange(tot, dtype=np.int64) - off
+                within = np.arange(tot, dtype=np.int64) - np.repeat(np.cumsum(take) - take, take)
                 lane = np.repeat(np.arange(n, dtype=np.int64), take)
                 idx = win.used[lane] + within
-                dest = lane * per + (per - need)[lane] + within
-                parts.append((win, idx, dest))
-                got = np.flatnonzero(take)
-                end = win.used[got] + take[got] - 1
-                last_idx[got], last_sub[got] = win.index[end], win.sub[end]
+                pos = (need0 - need)[lane] + within
+                parts.append((win, idx, (pos // per) * (n * per) + lane * per + pos % per))
+                index_at[lane, pos], sub_at[lane, pos] = win.index[idx], win.sub[idx]
                 win.used += take
                 need -= take
             self._ended[0] |= win.ended
@@ -174,24 +182,29 @@ class LaneEngine:
                 wi += 1
         while self.pending[0] and np.all(self.pending[0][0].used >= self.pending[0][0].bounds[1:]):
             self.pending[0].popleft()
-        expands = self.pipeline.expands
-        # positions are written canonically: after a fully used input, (input + 1, 0)
-        self._simple = (last_idx, last_sub + 1) if expands else (last_idx + 1, np.zeros_like(last_sub))
-        total = n * per
+        total = steps * n * per
         out: Columns = {}
-        src = np.empty(total, np.int64)
-        rec = np.empty(total, np.int64)
-        ep = np.empty(total, np.int64)
+        ref = np.empty((3, total), np.int64)
         for win, idx, dest in parts:
+            keep = dest < total  # a finite plan's last, incomplete step is dropped
+            idx, dest = idx[keep], dest[keep]
             for k, v in win.cols.items():
                 if k not in out:
                     out[k] = np.empty((total,) + v.shape[1:], dtype=v.dtype)
-                elif out[k].dtype != v.dtype and out[k].dtype != object:
-                    if v.dtype == object:
-                        out[k] = out[k].astype(object)
+                elif out[k].dtype != v.dtype and out[k].dtype != object and v.dtype == object:
+                    out[k] = out[k].astype(object)
                 out[k][dest] = v[idx]
-            src[dest], rec[dest], ep[dest] = win.refs.source[idx], win.refs.record[idx], win.refs.epoch[idx]
-        return out, Refs(src, rec, ep)
+            ref[0, dest], ref[1, dest], ref[2, dest] = win.refs.source[idx], win.refs.record[idx], win.refs.epoch[idx]
+        expands = self.pipeline.expands
+        rows = n * per
+        for s in range(steps):
+            last = (s + 1) * per - 1
+            cur, sub = index_at[:, last], sub_at[:, last]
+            # positions are written canonically: after a fully used input, (input + 1, 0)
+            position = (cur, sub + 1) if expands else (cur + 1, np.zeros_like(sub))
+            view = slice(s * rows, (s + 1) * rows)
+            self._ready.append(({k: v[view] for k, v in out.items()},
+                                Refs(ref[0, view], ref[1, view], ref[2, view]), position))
 
     # --- the general path: per lane, through the mix schedule and the accumulator --------------
     def _avail(self, b: int, k: int) -> int:
@@ -339,7 +352,10 @@ class LaneEngine:
 
     def next(self) -> tuple[Columns, Any]:
         if self.mix is None and self.pipeline.acc is None:
-            return self._simple_step()
+            if not self._ready:
+                self._simple_steps()
+            cols, refs, self._simple = self._ready.popleft()
+            return cols, refs
         return self._general_step()
 
 
