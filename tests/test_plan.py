@@ -180,3 +180,14 @@ def test_negative_step_is_refused():
         plan.explain(-1)
     with pytest.raises(PlanError, match="past the end"):
         plan.refs(plan.num_steps)
+
+
+def test_node_kinds_are_explicit_and_collisions_refused():
+    from zephon.plan import Node as N
+
+    assert {c.kind for c in (Source, Shuffle, Repeat, Mix, Slice, Lanes, Batch)} == {
+        "Source", "Shuffle", "Repeat", "Mix", "Slice", "Lanes", "Batch"}
+    with pytest.raises(PlanError, match="kind 'Mix'.*already taken.*kind='package.Mix'"):
+        type("Mix", (N,), {"__module__": "someone.else"})
+    p = Source(10).repeat().lanes(2).batch(4)
+    assert Node.from_json(p.to_json()) == p

@@ -61,10 +61,20 @@ class Node:
     """A stream of record references with random access by position."""
 
     _registry: ClassVar[dict[str, type["Node"]]] = {}
+    #: The node's name in plan JSON (`"type"`): part of the file format, so renaming or moving a
+    #: class never breaks a saved plan. Set it with `class MyNode(Node, kind="my.Node")`.
+    kind: ClassVar[str] = ""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, kind: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        Node._registry[cls.__name__] = cls
+        name = kind or cls.__name__
+        other = Node._registry.get(name)
+        if other is not None and (other.__module__, other.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise PlanError(f"plan node kind {name!r} of {cls.__module__}.{cls.__qualname__} is "
+                            f"already taken by {other.__module__}.{other.__qualname__}; declare a "
+                            f"unique one: class {cls.__name__}(..., kind='package.{cls.__name__}').")
+        cls.kind = name
+        Node._registry[name] = cls
 
     # --- the algebra -------------------------------------------------------------------------
     @property
@@ -116,7 +126,7 @@ class Node:
 
     # --- serialisation -----------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": type(self).__name__}
+        out: dict[str, Any] = {"type": self.kind}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             v = getattr(self, f.name)
             if isinstance(v, Node):
@@ -157,7 +167,7 @@ class Node:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:32]
 
 
-class PassThrough(Node):
+class PassThrough(Node, kind="PassThrough"):
     """A node whose stream has its child's length and epoch length (it reorders or annotates)."""
 
     child: Node
@@ -177,7 +187,7 @@ def _check_int(name: str, v: Any, minimum: int) -> None:
 
 
 @dataclass(frozen=True)
-class Source(Node):
+class Source(Node, kind="Source"):
     """Positions 0..size-1 of record source `id` (the loader maps ids to record sources)."""
 
     size: int
@@ -200,7 +210,7 @@ class Source(Node):
 
 
 @dataclass(frozen=True)
-class Shuffle(PassThrough):
+class Shuffle(PassThrough, kind="Shuffle"):
     """A keyed bijection per epoch.
 
     Over a repeated stream (a child with a `period`) it permutes within each epoch, so every
@@ -231,7 +241,7 @@ class Shuffle(PassThrough):
 
 
 @dataclass(frozen=True)
-class Repeat(Node):
+class Repeat(Node, kind="Repeat"):
     """`count` passes over a finite child (None: forever); each pass is a new epoch."""
 
     child: Node
@@ -259,7 +269,7 @@ class Repeat(Node):
 
 
 @dataclass(frozen=True)
-class Mix(Node):
+class Mix(Node, kind="Mix"):
     """A deterministic weighted interleave with exact weights and O(1) random access.
 
     The children form a balanced binary tree; at a node whose left side has weight fraction `w`,
@@ -405,7 +415,7 @@ def _gather_children(children: Sequence[Node], which: np.ndarray, inner: np.ndar
 
 
 @dataclass(frozen=True)
-class Slice(Node):
+class Slice(Node, kind="Slice"):
     """Positions start, start+step, ... < stop of the child (Take and Skip are special cases)."""
 
     child: Node
@@ -450,7 +460,7 @@ def Skip(child: Node, n: int) -> Slice:  # noqa: N802
 
 
 @dataclass(frozen=True)
-class Lanes(Node):
+class Lanes(Node, kind="Lanes"):
     """Deals the stream into `count` canonical lanes: lane l owns positions l, l+count, ...
 
     Lanes are the unit of state (cursors, accumulators) and of ownership. A data-parallel rank
@@ -517,6 +527,10 @@ class Lanes(Node):
         """Stream position of input `index` of lane `lanes` (broadcast)."""
         return np.asarray(index, np.int64) * self.count + np.asarray(lanes, np.int64)
 
+    def batch(self, size: int) -> "Batch":
+        """The plan's root: global batches of `size` rows, `size / count` from every lane."""
+        return Batch(self, size)
+
     def resolve_lanes(self, lanes: np.ndarray, index: np.ndarray, branch: int = 0) -> Refs:
         """Record references of input `index` of lane `lanes` (of `branch`; broadcast)."""
         lanes = np.asarray(lanes, np.int64)
@@ -557,7 +571,7 @@ def check_degree(lanes: int, world: int) -> None:
 
 
 @dataclass(frozen=True)
-class Batch(Node):
+class Batch(Node, kind="Batch"):
     """The plan's root: global batch k holds size/lanes outputs of every lane, lane-major.
 
     Row j of batch k is output (k * per_lane + j % per_lane) of lane j // per_lane.
@@ -636,11 +650,6 @@ def _check_step(step: int) -> None:
         raise PlanError(f"step must be non-negative, got {step}; steps count global batches from 0.")
 
 
-def _lanes_batch(self: Lanes, size: int) -> Batch:
-    return Batch(self, size)
-
-
-Lanes.batch = _lanes_batch  # type: ignore[attr-defined]
 
 Plan = Batch
 """A complete plan is its root `Batch` node."""
