@@ -207,10 +207,6 @@ class LaneEngine:
                                 Refs(ref[0, view], ref[1, view], ref[2, view]), position))
 
     # --- the general path: per lane, through the mix schedule and the accumulator --------------
-    def _avail(self, b: int, k: int) -> int:
-        """Rows of branch b already fetched for lane k and not yet used."""
-        return sum(int(w.bounds[k + 1] - w.used[k]) for w in self.pending[b])
-
     def _peek(self, b: int, k: int, count: int) -> list[tuple[Window, int]]:
         """The next `count` unused rows of branch b for lane k (fewer if the lane ended)."""
         out: list[tuple[Window, int]] = []
@@ -324,11 +320,15 @@ class LaneEngine:
                     carry = res.carry
                     segs = [[(all_prov[i][3], all_prov[i][4], all_prov[i][5], s0, s1) for i, s0, s1 in row]
                             for row in (res.segments or [[] for _ in range(produced_now)])]
+                taken = [0] * self.nb
                 for (w, r), b in zip(rows[:used], branches[:used]):
                     cursor[b], skip[b] = int(w.index[r]), int(w.sub[r]) + 1
                     if self.mix is not None:
                         mix[b] += _count(w.cols, self.mix.count_field, r)
-                    self._use(b, k, 1)
+                    taken[b] += 1
+                for b, t in enumerate(taken):
+                    if t:
+                        self._use(b, k, t)
                 if produced_now:
                     got.append(outs)
                     prov += segs
