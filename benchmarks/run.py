@@ -51,6 +51,7 @@ Writes benchmarks/results/<name>.json and <name>.png and prints the table with r
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -410,6 +411,7 @@ def environment(argv: list[str]) -> dict[str, Any]:
     return {"command": ("zephon bench " + shlex.join(argv)).strip(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "python": platform.python_version(), "cpus": len(os.sched_getaffinity(0)), "cpu": cpu,
             "versions": {p: version(p) for p in ("numpy", "grain", "array-record", "pyarrow")},
+            "zephon_diff_sha1": hashlib.sha1(git("diff", "HEAD", "--", "zephon").encode()).hexdigest()[:12],
             "git_commit": git("rev-parse", "--short", "HEAD"), "git_dirty": bool(git("status", "--porcelain",
                                                                                        "zephon", "benchmarks"))}
 
@@ -439,6 +441,13 @@ def main(argv: list[str] | None = None) -> int:
                     tqdm.write(f"ERROR in {case['label']} B={case['batch']}: {result['error']}\n{result.get('stderr', '')}")
                 bar.update()
     env["load_avg_end"] = os.getloadavg()
+    end = environment(argv)
+    env["git_commit_end"], env["git_dirty_end"] = end["git_commit"], end["git_dirty"]
+    env["zephon_diff_sha1_end"] = end["zephon_diff_sha1"]
+    if (env["git_commit_end"], env["zephon_diff_sha1_end"]) != (env["git_commit"], env["zephon_diff_sha1"]):
+        print(f"WARNING: zephon/ changed during the run (HEAD {env['git_commit']} -> {env['git_commit_end']}, "
+              f"uncommitted diff {env['zephon_diff_sha1']} -> {env['zephon_diff_sha1_end']}): cases may "
+              "have measured different code; run again on a quiet checkout.")
     batches = [int(b) for b in args.batches.split(",")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
