@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e '.[test,orbax,lm]'
+	$(PIP) install --quiet -c constraints.txt -e '.[test,orbax,lm,examples]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -28,6 +28,12 @@ verify: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/zephon bench
+
+.PHONY: experiment
+# Elastic training: a tiny LM trained at D = 1, 2, 4, 8 ranks with three loaders (~10 min);
+# writes benchmarks/results/elastic_training.{json,png}
+experiment: $(STAMP)
+	$(PY) benchmarks/elastic_training.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
