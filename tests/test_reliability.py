@@ -3,12 +3,13 @@ field and the fix, or harmless. No silent wrong data, no crash of the training p
 leaked. Every test here is time-limited (bounded loops, subprocess timeouts, `deadline`).
 
 The measured numbers (flips detected / tried, segments left after N kills, ...) are printed with
-`-s` and quoted in docs_reliability.md.
+`-s` and quoted in the README's Reliability section.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import json
 import os
 import pickle
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 
 from zephon.checkpoint import STATE_VERSION, load_state, save_state
-from zephon.errors import DecodeError, SourceError, StateError
+from zephon.errors import DecodeError, PlanError, SourceError, StateError
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # os.fork() beside threads
 
@@ -673,3 +674,204 @@ def test_bad_arguments_are_value_errors_that_say_what_to_write(tmp_path):
     with pytest.raises(DecodeError, match=r"ragged names \['typo'\]"):
         Decoder(json.loads, ragged={"typo"}).decode(np.array([b'{"a": [1]}'], dtype=object), lambda i: f"rec {i}")
     assert ArraySource([1, 2, 3]).read([2])["data"].tolist() == [3]
+
+
+# ---------------------------------------------------------------- Mix weights (item 4)
+
+def _kids():
+    return [Source_(100, 0), Source_(50, 1), Source_(70, 2)]
+
+
+def Source_(n, i):  # noqa: N802 - a repeated source, as mixes take them
+    from zephon import Source
+
+    return Source(n, id=i).shuffle(i + 1).repeat()
+
+
+_WEIGHT_MESSAGE = r"Mix weights must be finite, non-negative and sum to a positive number, got "
+BAD_WEIGHTS = [
+    ("negative", [0.5, -0.1], _WEIGHT_MESSAGE + r"\[0\.5, -0\.1\]"),
+    ("all zero", [0, 0], _WEIGHT_MESSAGE + r"\[0, 0\]"),
+    ("NaN", [float("nan"), 1.0], _WEIGHT_MESSAGE + r"\[nan, 1\.0\]"),
+    ("inf", [float("inf"), 1.0], _WEIGHT_MESSAGE + r"\[inf, 1\.0\]"),
+    ("-inf", [1.0, float("-inf")], _WEIGHT_MESSAGE),
+    ("numpy negative", np.array([0.7, -0.3]), _WEIGHT_MESSAGE),
+    ("too few", [1.0], r"Mix has 2 children but 1 weights; give one weight per child"),
+    ("too many", [1, 1, 1], r"Mix has 2 children but 3 weights; give one weight per child"),
+    ("text", ["a", 1], r"Mix weights must be numbers, got \['a', 1\]"),
+    ("None", [None, 1], r"Mix weights must be numbers, got \[None, 1\]"),
+    ("nested", [[0.5], 0.5], r"Mix weights must be numbers"),
+    ("complex", [1j, 1], r"Mix weights must be numbers"),
+]
+# Accepted today (or a raw builtin): each should be a PlanError too. See the report in the commit.
+BAD_WEIGHTS_OPEN = [
+    ("numeric text", ["0.5", 0.5], "float('0.5') is accepted: a weight read from a config "
+     "as text passes unnoticed (zephon/plan.py:307)"),
+    ("bools", [True, False], "True/False become 1.0/0.0 and silently drop a child (zephon/plan.py:307)"),
+    ("a bare number", 0.5, "raw TypeError \"'float' object is not iterable\" (zephon/plan.py:298, "
+     "Node.mix at zephon/plan.py:124)"),
+    ("a dict", {0: 0.5, 1: 0.5}, "tuple(dict) takes the KEYS: weights become (0.0, 1.0) and child 0 "
+     "is silently dropped (zephon/plan.py:298)"),
+    ("overflowing sum", [1e308, 1e308], "the sum overflows to inf, every normalised weight is 0 and "
+     "Mix._tree recurses forever: raw RecursionError (zephon/plan.py:319-336)"),
+]
+
+
+@pytest.mark.parametrize("by", ["samples", "tokens"])
+@pytest.mark.parametrize("name,weights,message", BAD_WEIGHTS, ids=[c[0] for c in BAD_WEIGHTS])
+def test_invalid_mix_weights_are_refused_with_the_weights_named(name, weights, message, by):
+    from zephon import Mix, Node
+
+    kids = _kids()[:2]
+    with pytest.raises(PlanError, match=message):
+        Mix(kids, weights, by=by)
+    with pytest.raises(PlanError, match=message):
+        Node.mix(kids, weights, by=by)
+    with pytest.raises(PlanError, match=message):  # the same refusal when a plan file is loaded
+        Node.from_json({"type": "Mix", "children": [k.to_json() for k in kids],
+                        "weights": list(weights) if not isinstance(weights, np.ndarray)
+                        else weights.tolist(), "by": by})
+
+
+@pytest.mark.parametrize("weights", [
+    pytest.param(w, id=name, marks=pytest.mark.xfail(strict=True, reason=f"open: {why}"))
+    for name, w, why in BAD_WEIGHTS_OPEN])
+def test_invalid_mix_weights_open(weights):
+    """Each of these should be a PlanError naming the weights (a dict could instead be read by
+    child index — then change this test)."""
+    from zephon import Mix
+
+    with deadline(5), pytest.raises(PlanError, match="Mix weights"):
+        m = Mix(_kids()[:2], weights)
+        m.route(np.arange(4))  # a RecursionError would come from here
+
+
+def _tree_depth(k):
+    """Levels of the balanced split tree over k children with positive weight."""
+    return math.ceil(math.log2(k)) if k > 1 else 0
+
+
+@pytest.mark.parametrize("weights", [(0.999, 0.001), (1 - 1e-6, 1e-6), (1.0, 1e-6),
+                                     (0.5, 0.3, 0.2 - 1e-6, 1e-6, 0.0), (1e-6, 1e-6, 1e-6)])
+def test_mix_weights_are_kept_exactly_and_realised_within_half_a_record_per_level(weights):
+    """zephon/plan.py Mix: each side of a split gets floor(n·w + 1/2) of the first n positions,
+    so every child is within half a record per tree level of n·w_i, for EVERY prefix n."""
+    from zephon import Mix, Node, Source
+
+    kids = [Source(10**6, id=i).repeat() for i in range(len(weights))]
+    m = Mix(kids, list(weights))
+    assert m.weights == tuple(float(w) for w in weights)  # as given: no rounding to a ratio
+    assert m.to_json()["weights"] == list(weights)
+    back = Node.from_json(json.loads(json.dumps(m.to_json())))
+    assert back == m and back.weights == m.weights and back.fingerprint() == m.fingerprint()
+    w = np.asarray(weights, np.float64) / sum(weights)
+    bound = 0.5 * _tree_depth(int((w > 0).sum())) + 1e-9
+    # every prefix up to 2·10^6 (routes position by position) ...
+    n = 2_000_000
+    child, inner = m.route(np.arange(n))
+    for i in range(len(weights)):
+        mine = child == i
+        prefix = np.cumsum(mine)
+        dev = np.abs(prefix - np.arange(1, n + 1) * w[i])
+        assert dev.max() <= bound, (weights, i, dev.max())
+        # inner indices of a child are 0, 1, 2, ...: no record skipped or repeated
+        assert np.array_equal(inner[mine], np.arange(mine.sum()))
+        if w[i] == 0:
+            assert not mine.any()
+        elif w[i] * n >= 1:
+            assert mine.any(), f"weight {weights[i]} never realised in {n} positions"
+    # ... and far-away prefixes through counts() (what length and random access use)
+    rng = np.random.default_rng(0)
+    for big in [n, 10**9 + 7, 10**12, 3 * 10**15] + rng.integers(1, 10**15, 20).tolist():
+        c = m.counts(int(big))
+        assert c.sum() == big
+        assert np.all(np.abs(c - big * w) <= bound + big * 1e-15), (big, c, big * w)
+    assert np.array_equal(m.counts(n), np.bincount(child, minlength=len(weights)))
+
+
+def test_sample_mix_weights_hold_inside_every_lane():
+    from zephon import Mix, Source
+
+    p = Mix([Source(10**6, id=0).repeat(), Source(10**6, id=1).repeat()], [0.999, 0.001]).lanes(4).batch(8)
+    n = 200_000
+    for lane in range(4):
+        src = p.lanes.resolve_lanes(np.full(n, lane), np.arange(n)).source
+        dev = np.abs(np.cumsum(src == 1) - 0.001 * np.arange(1, n + 1))
+        assert dev.max() <= 0.5 + 1e-9, (lane, dev.max())
+
+
+def _token_docs(n, seed):
+    rng = np.random.default_rng(seed)
+    out = np.empty(n, object)
+    for i in range(n):
+        out[i] = rng.integers(1, 1000, rng.integers(1, 40)).astype(np.int32)
+    return out
+
+
+@pytest.mark.parametrize("weights", [(0.999, 0.001), (1 - 1e-6, 1e-6)])
+def test_token_mix_tiny_weights_within_one_document(weights):
+    """Mix(by='tokens'): every lane's token counters stay within one document (< 40 tokens here)
+    of each weight's share, after every step — at 1e-6 too (the small source is taken once)."""
+    from zephon import Loader, Mix, Source
+    from zephon.ops.pack import Pack
+    from zephon.sources.memory import ArraySource
+
+    p = Mix([Source(300, id=0).shuffle(1).repeat(), Source(200, id=1).shuffle(2).repeat()],
+            list(weights), by="tokens").lanes(4).batch(8)
+    srcs = [ArraySource({"tokens": _token_docs(300, 1)}), ArraySource({"tokens": _token_docs(200, 2)})]
+    loader = Loader(p, srcs, [Pack(32)])
+    with deadline(20):
+        for _ in range(60):
+            next(loader)
+            for lane, st in loader.state()["lanes"].items():
+                mix = np.array(st["mix"], np.float64)
+                share = np.array(weights) / sum(weights) * mix.sum()
+                assert np.all(np.abs(mix - share) < 40), (lane, mix, share)
+    assert all(st["mix"][1] > 0 for st in loader.state()["lanes"].values())  # never dropped
+
+
+@pytest.mark.parametrize("by", ["samples", "tokens"])
+def test_mix_children_as_list_or_tuple_are_the_same_plan_everywhere(tmp_path, by):
+    from zephon import Loader, Mix, Node, Source
+    from zephon.ops.pack import Pack
+    from zephon.sources.memory import ArraySource
+    from zephon.verify import run_fingerprints
+
+    def kids():
+        return [Source(300, id=0).shuffle(1).repeat(), Source(200, id=1).shuffle(2).repeat()]
+
+    as_list, weights = kids(), [0.7, 0.3]
+    plans = {
+        "list": Mix(as_list, weights, by=by),
+        "tuple": Mix(tuple(kids()), tuple(weights), by=by),
+        "generator": Mix((k for k in kids()), (w for w in weights), by=by),
+        "Node.mix": Node.mix(kids(), weights, by=by),
+        "numpy weights": Mix(kids(), np.array(weights), by=by),
+    }
+    as_list.append(Source(5, id=2).repeat())  # the caller's lists are copied, not kept
+    weights.append(1.0)
+    plans = {k: v.lanes(4).batch(8) for k, v in plans.items()}
+    ref = plans["list"]
+    assert len(ref.lanes.child.children) == 2 and ref.lanes.child.weights == (0.7, 0.3)
+    srcs = [ArraySource({"tokens": _token_docs(300, 1)}), ArraySource({"tokens": _token_docs(200, 2)})]
+    ops = [Pack(32)] if by == "tokens" else []
+    fps = {}
+    for name, p in plans.items():
+        assert p == ref and p.fingerprint() == ref.fingerprint(), name
+        back = Node.from_json(json.loads(json.dumps(p.to_json())))
+        assert back == ref and isinstance(back.lanes.child.children, tuple)
+        fps[name] = run_fingerprints([Loader(p, srcs, ops)], 4)
+    assert len(set(map(tuple, fps.values()))) == 1
+    # state() of one restores into a loader of another, also through save_state/load_state
+    a = Loader(plans["list"], srcs, ops)
+    head = run_fingerprints([a], 3)
+    save_state(tmp_path / "s.json", a.state())
+    state = load_state(tmp_path / "s.json")
+    assert state["plan"]["child"]["child"]["weights"] == [0.7, 0.3]
+    b = Loader(plans["tuple"], srcs, ops)
+    b.restore(state)
+    assert head + run_fingerprints([b], 1) == fps["list"]
+    # and a near-miss weight is refused, naming it
+    other = Mix(kids(), [0.7000001, 0.2999999], by=by).lanes(4).batch(8)
+    with pytest.raises(StateError, match=r"weights\[0\]: 0\.7 != 0\.7000001"):
+        Loader(other, srcs, ops).restore(state)
