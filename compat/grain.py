@@ -38,7 +38,8 @@ from zephon.exec.loader import Loader, LocalBatch
 from zephon.exec.steps import read_refs
 from zephon.plan import Batch, Mix, Node, Refs, Repeat, Shuffle, Slice, Source
 from zephon.sources.base import Columns, RecordSource, as_indices
-from zephon.ops.base import Transform, record_rng, record_seeds, run_transforms
+from zephon.ops.base import Accumulator, Transform, record_rng, record_seeds, run_transforms
+from zephon.ops.pack import Pack
 from zephon.verify import global_fingerprint, run_fingerprints
 
 from zephon.compat.grain_order import (  # noqa: F401 - re-exported; importing registers nodes
@@ -477,14 +478,187 @@ def collate(cols: Columns) -> Columns:
     return {k: v for k, v in cols.items() if k != RNG}
 
 
-def with_collate(chain: tuple[Transform, ...]) -> tuple[Transform, ...]:
+def with_collate(chain: tuple[Any, ...]) -> tuple[Any, ...]:
     """Appends `Collate` to a one-to-one chain, where it runs inside the runner's workers.
 
     A chain with a filter is collated by `CollatingLoader` once the step's rows are assembled
     instead: the loader evaluates such chains in several passes, and a pass whose rows are all
-    filtered out has no records to learn the column names from.
+    filtered out has no records to learn the column names from. A chain with a packing step
+    (an accumulator) gets `Collate` after it, where it only acts if Grain maps follow the pack.
     """
-    return chain + (Collate(),) if all(t.one_to_one for t in chain) else chain
+    if _has_accumulator(chain) or all(t.one_to_one for t in chain):
+        return chain + (Collate(),)
+    return chain
+
+
+def _has_accumulator(chain: Sequence[Any]) -> bool:
+    return any(isinstance(t, Accumulator) for t in chain)
+
+
+# --- Zephon lane operators and packing in a Grain-shaped pipeline ----------------------------------
+
+_GRAIN_ADAPTERS: tuple[type, ...] = ()  # set below: compat's own transforms pass through as-is
+
+
+def _is_lane_op(t: Any) -> bool:
+    """A Zephon row operator (Tokenize, zephon.Map/Filter/FlatMap/RandomMap, any Transform)."""
+    return isinstance(t, Transform) and not isinstance(t, _GRAIN_ADAPTERS)
+
+
+@dataclass(frozen=True, eq=False)
+class LaneOp(Transform):
+    """A Zephon row operator inside a Grain-shaped pipeline (`ds.map(Tokenize(...))`).
+
+    Zephon operators work on columns: Grain records arriving in the `RECORD` column are stacked
+    into columns first (dict keys become field names, as in `records_to_columns`). The operator
+    keeps its own identity (name, version, config) and seed, so a checkpoint names it, and a
+    pipeline of Zephon operators computes what `zephon.Loader` computes with them.
+    """
+
+    op: Transform
+
+    @property
+    def one_to_one(self) -> bool:  # type: ignore[override]
+        return bool(self.op.one_to_one)
+
+    @property
+    def expands(self) -> bool:  # type: ignore[override]
+        return bool(self.op.expands)
+
+    @property
+    def op_name(self) -> str:
+        return self.op.op_name
+
+    @property
+    def version(self) -> int:  # type: ignore[override]
+        return int(self.op.version)
+
+    def config(self) -> dict[str, Any]:
+        return self.op.config()
+
+    def identity(self) -> dict[str, Any]:
+        return self.op.identity()
+
+    def checked_identity(self) -> dict[str, Any]:
+        return self.op.checked_identity()
+
+    def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, Any]:
+        if RECORD in cols or RNG in cols:
+            if not len(refs):  # no record to learn the column names from: nothing to do
+                return {}, None
+            cols = collate(cols)
+        return self.op.apply(cols, refs, seed)
+
+
+def _pack_fields(length_struct: Any) -> tuple[tuple[str, ...], int]:
+    """Grain's `length_struct` -> (packed feature names, seq_len)."""
+    def length(v: Any, where: str) -> int:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 2:
+            raise PlanError(f"length_struct{where} must be an integer sequence length >= 2, got {v!r}")
+        return int(v)
+
+    if isinstance(length_struct, Mapping):
+        if not length_struct:
+            raise PlanError("length_struct is empty; give {feature: seq_len} of the token feature")
+        lens = {}
+        for k, v in length_struct.items():
+            if not isinstance(k, str) or not k:
+                raise PlanError(f"length_struct keys are feature names (str), got {k!r}")
+            if isinstance(v, Mapping):
+                raise PlanError(f"length_struct[{k!r}] is nested; Zephon packs flat features "
+                                "(top-level dict keys of the records).")
+            lens[k] = length(v, f"[{k!r}]")
+        if len(set(lens.values())) > 1:
+            raise PlanError(f"length_struct gives different lengths {lens}; Zephon packs one token "
+                            "sequence per document into rows of one seq_len (targets are derived "
+                            "from it), so every packed feature has the same length.")
+        return tuple(lens), next(iter(lens.values()))
+    return (VALUE,), length(length_struct, "")
+
+
+@dataclass(frozen=True)
+class PackInput(Transform):
+    """The documents a packing step packs: feature `fields[0]` of each record as a 1-D token
+    array (a scalar is a length-1 sequence, as in Grain), in an object column of that name.
+
+    Further features of `length_struct` (MaxText's `targets` copy of `inputs`) must hold the
+    same tokens: Zephon packs one sequence per document and derives next-token targets from
+    it, so a record whose features differ is refused, naming it. Other fields are dropped
+    (packing emits only its own fields, as Grain's packers do without meta features).
+    """
+
+    fields: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"grain.PackInput({','.join(self.fields)})"
+
+    def config(self) -> dict[str, Any]:
+        return {"fields": list(self.fields)}
+
+    def _tokens(self, v: Any, refs: Refs, i: int, key: str) -> np.ndarray:
+        a = np.asarray(v)
+        if a.ndim > 1 or a.dtype.kind not in "iub":
+            raise DecodeError(f"record {int(refs.record[i])} of source {int(refs.source[i])}: feature "
+                              f"{key!r} is {a.dtype}{list(a.shape)}, not a 1-D sequence of token ids; "
+                              "packing needs integer token sequences (tokenize first).")
+        return a.reshape(-1)
+
+    def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, None]:
+        key = self.fields[0]
+        if not len(refs):
+            return {key: np.empty(0, dtype=object)}, None
+        if RECORD in cols:
+            rows = [flatten_record(r) for r in cols[RECORD]]
+        else:
+            rows = [{k: cols[k][i] for k in self.fields if k in cols} for i in range(len(refs))]
+        out = np.empty(len(rows), dtype=object)
+        for i, r in enumerate(rows):
+            missing = [k for k in self.fields if k not in r]
+            if missing:
+                raise DecodeError(f"record {int(refs.record[i])} of source {int(refs.source[i])} has no "
+                                  f"feature {missing[0]!r} to pack (it has {sorted(r)}); length_struct "
+                                  "names the token features of the records.")
+            toks = self._tokens(r[key], refs, i, key)
+            for other in self.fields[1:]:
+                if not np.array_equal(self._tokens(r[other], refs, i, other), toks):
+                    raise DecodeError(
+                        f"record {int(refs.record[i])} of source {int(refs.source[i])}: packed feature "
+                        f"{other!r} differs from {key!r}. Zephon packs one token sequence per document "
+                        "and derives next-token targets from it, so the features of length_struct "
+                        f"must be copies of one another (MaxText's layout); pack {key!r} alone "
+                        f"(length_struct={{{key!r}: seq_len}}).")
+            out[i] = toks
+        return {key: out}, None
+
+
+@dataclass(frozen=True)
+class GrainPackNames(Transform):
+    """Grain's packer output layout from `Pack(names="zephon")` rows: for every feature `k` of
+    `length_struct`, `k` (the packed tokens, not shifted), `k_segment_ids` and `k_positions`
+    (int32, 0 on padding) — what `grain.experimental` packers emit for copies of one sequence."""
+
+    fields: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"grain.PackNames({','.join(self.fields)})"
+
+    def config(self) -> dict[str, Any]:
+        return {"fields": list(self.fields)}
+
+    def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, None]:
+        out: Columns = {}
+        for k in self.fields:
+            out[k] = cols["tokens"]
+        for k in self.fields:
+            out[f"{k}_segment_ids"] = cols["segment_ids"]
+            out[f"{k}_positions"] = cols["positions"]
+        return out, None
+
+
+_GRAIN_ADAPTERS = (GrainMap, GrainMapWithIndex, GrainRandomMap, GrainFilter, Branches, Collate,
+                   LaneOp, PackInput, GrainPackNames)
 
 
 class CollatingLoader(Loader):
@@ -551,6 +725,7 @@ class _Ctx:
     wrap_columnar: bool
     sources: list[Any] = field(default_factory=list)
     tags: int = 0
+    count_field: str = "tokens"  # what a mix by tokens counts (the packed feature, if packing)
 
     def tag(self) -> int:
         self.tags += 1
@@ -565,7 +740,8 @@ class _Built:
     sources: tuple[int, ...] = ()
 
 
-_ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset", "batch", "seed")
+_ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset", "batch", "seed",
+             "pack")
 
 
 def _build(op: _Op, ctx: _Ctx) -> _Built:
@@ -599,7 +775,10 @@ def _build(op: _Op, ctx: _Ctx) -> _Built:
     if k == "mix":
         kids = [_build(p, ctx) for p in op.parents]
         props = grain_proportions(a["weights"], len(kids))
-        if ctx.order == "grain":
+        if a.get("by", "samples") == "tokens":
+            node = Mix(tuple(c.node for c in kids), tuple(float(p) for p in props), by="tokens",
+                       count_field=a.get("count_field") or ctx.count_field)
+        elif ctx.order == "grain":
             node: Node = GrainMix(tuple(c.node for c in kids), props)
         else:
             if any(isinstance(n, GrainIndex) for c in kids for n in _nodes(c.node)):
@@ -611,10 +790,27 @@ def _build(op: _Op, ctx: _Ctx) -> _Built:
             chain = (Branches(tuple((c.sources, c.chain) for c in kids)),)
         return _Built(node, chain, any(c.filtered for c in kids), tuple(s for c in kids for s in c.sources))
     assert b is not None
+    packed = _has_accumulator(b.chain)
+    if k in ("map", "filter") and isinstance(a["transform"], Transform):
+        t = a["transform"]
+        lane_op = LaneOp(t) if _is_lane_op(t) else t  # compat's own adapters pass through
+        return replace(b, chain=b.chain + (lane_op,), filtered=b.filtered or not t.one_to_one)
     if k == "map":
         return replace(b, chain=b.chain + (GrainMap(a["transform"]),))
     if k == "filter":
         return replace(b, chain=b.chain + (GrainFilter(a["transform"]),), filtered=True)
+    if k == "pack":
+        if packed:
+            raise PlanError("a pipeline packs once: it already has a packing step (one accumulator "
+                            "per lane pipeline).")
+        pack: Pack = a["pack"]
+        chain = b.chain + (PackInput(a["fields"]), pack)
+        if a.get("names") == "grain":
+            chain += (GrainPackNames(a["fields"]),)
+        return replace(b, chain=chain)
+    if packed and k in ("random_map", "map_with_index") and ctx.order == "grain":
+        raise PlanError(f"{k} after a packing step: packed rows have no Grain index; apply it "
+                        "before packing, or use order='zephon' (a generator per packed row).")
     if k in ("random_map", "map_with_index"):
         if a.get("iter") and b.filtered and ctx.order == "grain":
             raise PlanError(f"{k} after to_iter_dataset() numbers elements by how many survived "
@@ -665,8 +861,19 @@ class Dataset:
         return cls.source(r, order=order, name=f"range({r.start}, {r.stop}, {r.step})")
 
     @classmethod
-    def mix(cls, datasets: Sequence["Dataset"], weights: Sequence[float] | None = None) -> "Dataset":
-        """`MapDataset.mix`: Grain's deterministic proportional interleave of `datasets`."""
+    def mix(cls, datasets: Sequence["Dataset"], weights: Sequence[float] | None = None, *,
+            by: str = "samples", count_field: str | None = None) -> "Dataset":
+        """`MapDataset.mix`: Grain's deterministic proportional interleave of `datasets`.
+
+        `by="tokens"` (Zephon): the weights apply to realised tokens, inside every lane — each
+        lane takes its next document from the dataset furthest below its share of the tokens
+        so far (`zephon.Mix(..., by="tokens")`). Each dataset tokenizes before the mix (e.g.
+        `.map(Tokenize(...))`); what is counted is the length of column `count_field` (default:
+        the feature a later packing step packs, else `tokens`). Such a mix is the last ordering
+        step (shuffle/repeat each dataset before it) and has no random access.
+        """
+        if by not in ("samples", "tokens"):
+            raise PlanError(f"mix(by=...) must be 'samples' or 'tokens', got {by!r}")
         datasets = list(datasets)
         if not datasets:
             raise PlanError("mix needs at least one dataset")
@@ -676,7 +883,8 @@ class Dataset:
         for d in datasets:
             d._check_open("mix")
         return cls(_Op("mix", tuple(d._op for d in datasets),
-                       {"weights": None if weights is None else tuple(weights)}), datasets[0]._config)
+                       {"weights": None if weights is None else tuple(weights), "by": by,
+                        "count_field": count_field}), datasets[0]._config)
 
     # --- Grain transformations ------------------------------------------------------------------
     def _then(self, kind: str, **args: Any) -> "Dataset":
@@ -688,11 +896,20 @@ class Dataset:
             raise PlanError(f"cannot {kind} after batch: Zephon's plan ends in the global batch; "
                             "apply the step before batch().")
         if self._in_iter() and kind not in _ITER_OPS:
-            raise PlanError(f"{kind} is a MapDataset step and cannot follow to_iter_dataset(); "
-                            "move it before to_iter_dataset() (as in Grain).")
+            raise PlanError(f"{kind} is a MapDataset step and cannot follow to_iter_dataset() or a "
+                            "packing step; move it before them (as in Grain).")
 
     def _in_iter(self) -> bool:
-        return any(o.kind == "to_iter_dataset" for o in self._op.upstream())
+        return any(o.kind in ("to_iter_dataset", "pack") for o in self._op.upstream())
+
+    @property
+    def packed(self) -> bool:
+        """Whether the pipeline packs (its rows are packed sequences, counted by tokens)."""
+        return any(o.kind == "pack" for o in self._op.upstream())
+
+    @property
+    def _token_mixed(self) -> bool:
+        return any(o.kind == "mix" and o.args.get("by") == "tokens" for o in self._op.upstream())
 
     def _seed_for(self, kind: str, seed: int | None) -> int | None:
         if seed is not None:
@@ -722,10 +939,53 @@ class Dataset:
         return self._then("slice", slice=sl)
 
     def map(self, transform: Any) -> "Dataset":
+        """Grain's `map` (a `grain.transforms.Map` or callable on records), or a Zephon lane
+        operator: a row operator (`Tokenize`, `zephon.Map`/`FlatMap`/`Filter`/`RandomMap`, any
+        `Transform`; records are stacked into columns for it) or a `zephon.ops.pack.Pack`
+        (packing, as `pack()` does; its fields keep the names it was built with)."""
+        if isinstance(transform, Accumulator):
+            if not isinstance(transform, Pack):
+                raise PlanError(f"{type(transform).__name__} is an accumulator; the Grain-shaped "
+                                "API runs zephon.ops.pack.Pack. Use zephon.Loader for others.")
+            return self._then("pack", pack=transform, fields=(transform.field,), names=None, grain=None)
         return self._then("map", transform=transform, iter=self._in_iter())
 
     def filter(self, transform: Any) -> "Dataset":
         return self._then("filter", transform=transform, iter=self._in_iter())
+
+    def pack(self, length_struct: Any, mode: str = "concat", *, num_packing_bins: int = 8,
+             padding_struct: Any = None, max_sequences_per_bin: int | None = None,
+             names: str = "maxtext", _grain: Any = None) -> "Dataset":
+        """Packs token sequences into rows (Zephon's `Pack` on every lane; see the module doc).
+
+        length_struct: `{feature: seq_len}` as in Grain's packers (several features must be
+          copies of one sequence, e.g. MaxText's `inputs`/`targets`), or an int for records
+          that are bare token arrays.
+        mode: 'concat' (concat-then-split: nothing lost, no padding), 'first_fit' or 'best_fit'
+          (at most `num_packing_bins` rows open; longer documents are split, never dropped).
+        names: 'maxtext' (`inputs`, `targets` = next tokens, `inputs_segmentation`,
+          `targets_segmentation`, `inputs_position`, `targets_position`), 'grain' (Grain's
+          packer layout: per feature `k`, `k`, `k_segment_ids`, `k_positions`, unshifted) or
+          'zephon' (`tokens`, `targets`, `segment_ids`, `positions`, `loss_mask`, `cu_seqlens`).
+        """
+        fields, seq_len = _pack_fields(length_struct)
+        if names not in ("maxtext", "grain", "zephon"):
+            raise PlanError(f"names must be 'maxtext', 'grain' or 'zephon', got {names!r}")
+        pad = 0
+        if padding_struct is not None:
+            vals = ({padding_struct[k] for k in fields if k in padding_struct}
+                    if isinstance(padding_struct, Mapping) else {padding_struct})
+            if len(vals) > 1 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                                    for v in vals):
+                raise PlanError(f"padding_struct {padding_struct!r}: Zephon pads every packed "
+                                "feature with one integer id; give the same id for each.")
+            pad = int(next(iter(vals))) if vals else 0
+        fit = mode != "concat"
+        pack = Pack(seq_len, mode, field=fields[0],  # type: ignore[arg-type]
+                    max_open_bins=int(num_packing_bins) if fit else 8, pad_id=pad,
+                    max_segments=max_sequences_per_bin if fit else None,
+                    names="zephon" if names == "grain" else names)  # type: ignore[arg-type]
+        return self._then("pack", pack=pack, fields=fields, names=names, grain=_grain)
 
     def random_map(self, transform: Any, *, seed: int | None = None) -> "Dataset":
         s = self._seed_for("random_map", seed)
@@ -771,6 +1031,8 @@ class Dataset:
                 ds = ds.filter(t)
             elif isinstance(t, grain.transforms.MapWithIndex):
                 ds = ds.map_with_index(t)
+            elif isinstance(t, (Transform, Accumulator)):
+                ds = ds.map(t)
             else:
                 raise PlanError(f"unsupported transformation {type(t).__name__}; use Map, RandomMap, "
                                 "Filter, MapWithIndex or Batch.")
@@ -813,24 +1075,38 @@ class Dataset:
         size, drop = (op.args["batch_size"], op.args["drop_remainder"]) if batched else (None, True)
         stream_op = op.parents[0] if op.kind == "batch" else op
         leaves = sum(1 for o in stream_op.upstream() if o.kind == "source")
-        ctx = _Ctx(self._config.order, wrap_columnar=leaves > 1)
+        sample_mix = any(o.kind == "mix" and o.args.get("by", "samples") == "samples"
+                         for o in stream_op.upstream())
+        ctx = _Ctx(self._config.order, wrap_columnar=leaves > 1 and sample_mix)
+        packs = [o for o in stream_op.upstream() if o.kind == "pack"]
+        if packs:
+            ctx.count_field = packs[0].args["fields"][0]
         built = _build(stream_op, ctx)
+        token_mix = any(isinstance(n, Mix) and n.by == "tokens" for n in _nodes(built.node))
+        if token_mix and not (isinstance(built.node, Mix) and built.node.by == "tokens"):
+            raise PlanError("a mix by tokens runs inside every lane, so it must be the last ordering "
+                            "step of the pipeline: shuffle/repeat/slice each dataset before mix(), "
+                            "and apply map_with_index/random_map (Grain-indexed) before it too.")
+        lane_engine = token_mix or _has_accumulator(built.chain)
         lanes = self._config.lanes or self._config.world or 1
         rows = size if size is not None else lanes
         if rows % lanes:
             raise PlanError(f"batch size {rows} is not divisible by lanes={lanes}; choose a lane "
                             f"count that divides the batch (e.g. lanes({_largest_divisor(rows, lanes)})).")
         n = built.node.length
-        if size is not None and n is not None and n % size and not drop:
+        if size is not None and n is not None and n % size and not drop and not lane_engine:
             log.warning("the stream has %d elements, not a multiple of batch size %d: Zephon emits "
                         "full global batches only, so the last %d elements are not emitted (Grain "
                         "would emit a smaller final batch).", n, size, n % size)
-        if built.filtered and lanes > 1 and self._config.order == "grain":
+        if built.filtered and lanes > 1 and self._config.order == "grain" and not lane_engine:
             log.warning("with a filter and lanes=%d each lane filters its own input, so batches "
                         "differ from Grain's (which fills one batch from the whole stream); use "
                         "lanes=1 to compare with Grain.", lanes)
         stream = built.node
-        if self._config.order == "grain" and lanes > 1:
+        if self._config.order == "grain" and lanes > 1 and not lane_engine:
+            # each lane's rows of a step are consecutive Grain elements (Grain's batches); a
+            # packing or token-mixed lane consumes documents at its own pace, so it just reads
+            # its share of the Grain-ordered stream
             stream = ContiguousBatches(stream, lanes, rows // lanes)
         plan = stream.lanes(lanes, self._config.mapping).batch(rows)  # type: ignore[attr-defined]
         transforms = with_collate(built.chain) if size is not None else built.chain
@@ -861,7 +1137,7 @@ class Dataset:
         c = self._compiled
         if not self.batched:
             raise PlanError(f"{what} emits global batches; add .batch(B) to the pipeline.")
-        if not all(t.one_to_one for t in c.transforms):
+        if not _has_accumulator(c.transforms) and not all(t.one_to_one for t in c.transforms):
             raise PlanError(f"{what} with a filter is not available yet: the backend's loader "
                             "cannot stack Grain records for steps evaluated in several passes. "
                             "Iterate the dataset (numpy batches) or filter with a Map that marks "
@@ -889,10 +1165,24 @@ class Dataset:
             kwargs.setdefault("world", self._config.world)
         return TorchLoader(c.plan, c.sources, c.transforms, runner=self._config.runner, **kwargs)
 
+    def to_torch_dataset(self, **kwargs: Any) -> Any:
+        """A `zephon.backends.torch.ZephonIterableDataset` over this pipeline, for
+        `ZephonDataLoader(dataset, num_workers=...)` (`shard()` gives rank/world; otherwise
+        torch.distributed's)."""
+        from zephon.backends.torch import ZephonIterableDataset
+        c = self._check_backend("to_torch_dataset")
+        if self._config.world is not None:
+            kwargs.setdefault("rank", self._config.rank)
+            kwargs.setdefault("world", self._config.world)
+        return ZephonIterableDataset(c.plan, c.sources, c.transforms, runner=self._config.runner, **kwargs)
+
     def __iter__(self) -> "Iterator":
         return Iterator(self.loader(), batched=self.batched)
 
     def __len__(self) -> int:
+        if self.packed or self._token_mixed:
+            raise TypeError("a packed or token-mixed pipeline has no length: how many rows it makes "
+                            "depends on the documents' token counts (like Grain's IterDataset).")
         n = self.plan.num_steps if self.batched else self._compiled.stream.length
         return GRAIN_INFINITE if n is None else int(n)
 
@@ -941,6 +1231,8 @@ def _to_grain(op: _Op, memo: dict[int, Any]) -> Any:
         ds = grain.MapDataset.range(src.start, src.stop, src.step) if isinstance(src, range) else (
             grain.MapDataset.source(src))
     elif k == "mix":
+        if a.get("by", "samples") != "samples":
+            raise PlanError("to_grain(): Grain has no mix by tokens.")
         ds = grain.MapDataset.mix([_to_grain(p, memo) for p in op.parents], a["weights"])
     else:
         p = _to_grain(op.parents[0], memo)
@@ -952,10 +1244,22 @@ def _to_grain(op: _Op, memo: dict[int, Any]) -> Any:
             ds = p.repeat(a["num_epochs"])
         elif k == "slice":
             ds = p.slice(a["slice"])
+        elif k in ("map", "filter") and isinstance(a["transform"], Transform):
+            raise PlanError(f"to_grain(): the Zephon operator {a['transform'].op_name} has no Grain "
+                            "equivalent (tokenize with a Grain map to compare with Grain).")
         elif k == "map":
             ds = p.map(a["transform"])
         elif k == "filter":
             ds = p.filter(a["transform"])
+        elif k == "pack":
+            if a.get("grain") is None:
+                raise PlanError("to_grain(): a zephon Pack given to map() has no Grain equivalent; "
+                                "spell the packing step with zephon.compat.grain.experimental's "
+                                "Grain packers.")
+            cls_name, kwargs = a["grain"]
+            if isinstance(p, grain.MapDataset):
+                p = p.to_iter_dataset()
+            ds = getattr(grain.experimental, cls_name)(p, **kwargs)
         elif k == "random_map":
             ds = p.random_map(a["transform"], seed=a["seed"])
         elif k == "map_with_index":
@@ -970,6 +1274,119 @@ def _to_grain(op: _Op, memo: dict[int, Any]) -> Any:
             raise PlanError(f"no Grain equivalent for step {k!r}")
     memo[id(op)] = ds
     return ds
+
+
+# --- Grain's packing datasets ----------------------------------------------------------------
+
+def _bos_handling_none(bos_handling: Any) -> bool:
+    return bos_handling is None or bos_handling == grain.experimental.BOSHandling.DO_NOTHING
+
+
+def _refuse(what: str, value: Any, why: str) -> None:
+    raise PlanError(f"{what}={value!r} is not supported by Zephon's packing: {why}")
+
+
+def _fit_args(length_struct: Any, num_packing_bins: int, seed: int, shuffle_bins: bool,
+              shuffle_bins_group_by_feature: str | None, meta_features: Sequence[str],
+              pack_alignment_struct: Any, padding_struct: Any,
+              max_sequences_per_bin: int | None) -> dict[str, Any]:
+    if isinstance(num_packing_bins, bool) or not isinstance(num_packing_bins, (int, np.integer)) \
+            or num_packing_bins < 1:
+        raise PlanError(f"num_packing_bins must be a positive integer, got {num_packing_bins!r}")
+    if meta_features:
+        _refuse("meta_features", meta_features, "it packs token features only; drop or pack the "
+                "other features before the packing step.")
+    if pack_alignment_struct is not None:
+        _refuse("pack_alignment_struct", pack_alignment_struct, "segments start right after "
+                "one another.")
+    if shuffle_bins_group_by_feature is not None:
+        _refuse("shuffle_bins_group_by_feature", shuffle_bins_group_by_feature, "rows are emitted "
+                "in the order they close (deterministic per lane); there is no bin shuffle.")
+    return dict(length_struct=length_struct, num_packing_bins=int(num_packing_bins), seed=seed,
+                shuffle_bins=shuffle_bins, shuffle_bins_group_by_feature=None, meta_features=(),
+                pack_alignment_struct=None, padding_struct=padding_struct,
+                max_sequences_per_bin=max_sequences_per_bin)
+
+
+class ConcatThenSplitIterDataset(Dataset):
+    """`grain.experimental.ConcatThenSplitIterDataset` on Zephon: concat-then-split packing.
+
+    Same arguments as Grain's; runs `zephon.ops.pack.Pack(seq_len, "concat")` in every lane
+    (documents laid end to end and cut every seq_len tokens; a document crossing a row boundary
+    continues in the lane's next row — across steps and resumes; no token lost, no padding).
+    With `lanes(1)` the rows are Grain's rows (`names="grain"` gives Grain's fields too); with
+    L lanes each lane packs its own share of the stream. `names`: see `Dataset.pack`.
+    Unsupported (refused): meta features, `split_full_length_features=False`, BOS replacement
+    (add BOS with `Tokenize(bos=...)` instead: replacing a token loses it).
+    """
+
+    def __init__(self, parent: Dataset, *, length_struct: Mapping[str, int],
+                 meta_features: Sequence[str] = (), split_full_length_features: bool = True,
+                 bos_handling: Any = None, bos_features: Sequence[str] = (),
+                 bos_token_id: int | None = None, names: str = "maxtext") -> None:
+        if meta_features:
+            _refuse("meta_features", meta_features, "it packs token features only; drop or pack "
+                    "the other features before the packing step.")
+        if not split_full_length_features:
+            _refuse("split_full_length_features", False, "full-length documents are packed in "
+                    "stream order like any other (Grain passes them ahead of the buffer).")
+        if not _bos_handling_none(bos_handling) or bos_features or bos_token_id is not None:
+            _refuse("bos_handling", bos_handling, "replacing each piece's first token with BOS "
+                    "drops that token; add BOS to every document with Tokenize(bos=...).")
+        kwargs = dict(length_struct=length_struct, meta_features=(),
+                      split_full_length_features=True)
+        ds = parent.pack(length_struct, "concat", names=names,
+                         _grain=("ConcatThenSplitIterDataset", kwargs))
+        super().__init__(ds._op, ds._config)
+
+
+class FirstFitPackIterDataset(Dataset):
+    """`grain.experimental.FirstFitPackIterDataset` on Zephon: first-fit packing.
+
+    Same arguments as Grain's; runs `Pack(seq_len, "first_fit", max_open_bins=num_packing_bins,
+    max_segments=max_sequences_per_bin)` in every lane. Zephon keeps up to `num_packing_bins`
+    rows open and emits the oldest when a document fits none (Grain emits all its bins then),
+    and splits documents longer than seq_len (Grain raises on them), so rows differ from Grain's
+    while padding is comparable. `seed`/`shuffle_bins` only reorder Grain's emitted bins: Zephon
+    emits rows in the order they close. `names`: see `Dataset.pack`.
+    """
+
+    _mode = "first_fit"
+    _grain_name = "FirstFitPackIterDataset"
+
+    def __init__(self, parent: Dataset, *, length_struct: Any, num_packing_bins: int,
+                 seed: int = 0, shuffle_bins: bool = True,
+                 shuffle_bins_group_by_feature: str | None = None, meta_features: Sequence[str] = (),
+                 pack_alignment_struct: Any = None, padding_struct: Any = None,
+                 max_sequences_per_bin: int | None = None, names: str = "maxtext") -> None:
+        kwargs = _fit_args(length_struct, num_packing_bins, seed, shuffle_bins,
+                           shuffle_bins_group_by_feature, meta_features, pack_alignment_struct,
+                           padding_struct, max_sequences_per_bin)
+        ds = parent.pack(length_struct, self._mode, num_packing_bins=int(num_packing_bins),
+                         padding_struct=padding_struct, max_sequences_per_bin=max_sequences_per_bin,
+                         names=names, _grain=(self._grain_name, kwargs))
+        super().__init__(ds._op, ds._config)
+
+
+class BestFitPackIterDataset(FirstFitPackIterDataset):
+    """`grain.experimental.BestFitPackIterDataset` on Zephon: best-fit packing (each document
+    goes to the open row it fills tightest); otherwise as `FirstFitPackIterDataset`."""
+
+    _mode = "best_fit"
+    _grain_name = "BestFitPackIterDataset"
+
+
+class _Experimental:
+    """`zephon.compat.grain.experimental`: Grain's packing datasets under their Grain names, so
+    `grain.experimental.X(ds, ...)` becomes `zg.experimental.X(ds, ...)`."""
+
+    BOSHandling = grain.experimental.BOSHandling
+    ConcatThenSplitIterDataset = ConcatThenSplitIterDataset
+    FirstFitPackIterDataset = FirstFitPackIterDataset
+    BestFitPackIterDataset = BestFitPackIterDataset
+
+
+experimental = _Experimental()
 
 
 # --- the iterator ----------------------------------------------------------------------------
@@ -1036,6 +1453,24 @@ class Iterator(grain.DatasetIterator):
 
     def __str__(self) -> str:
         return f"zephon.compat.grain.Iterator(step={self.loader.step})"
+
+
+def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One iterator state from every rank's `get_state()` taken at the same step (batched
+    iteration), restorable by `set_state` at any data-parallel degree of the same pipeline —
+    how a packed or token-mixed pipeline (whose lanes each carry their own position) changes D."""
+    from zephon.exec.loader import merge_states as merge_loader_states
+
+    if not states:
+        raise StateError("merge_states needs at least one iterator state")
+    for s in states:
+        if not isinstance(s, Mapping) or "loader" not in s:
+            raise StateError("not a zephon.compat.grain iterator state (expected {'loader': ..., "
+                             "'skip': ...}); pass what get_state() returned.")
+        if int(s.get("skip", 0)):
+            raise StateError("cannot merge states taken inside a batch (unbatched iteration, "
+                             "skip > 0); take them at a step boundary.")
+    return {"loader": merge_loader_states([s["loader"] for s in states]), "skip": 0}
 
 
 # --- DataLoader + IndexSampler -------------------------------------------------------------------
@@ -1177,7 +1612,9 @@ def concat_shards(loaders: Sequence[Iterable[Any]]) -> TypingIterator[Any]:
 
 
 __all__ = [
-    "Branches", "Collate", "CollatingLoader", "ContiguousBatches", "DataLoader", "Dataset",
+    "BestFitPackIterDataset", "Branches", "Collate", "CollatingLoader", "ConcatThenSplitIterDataset",
+    "ContiguousBatches", "DataLoader", "Dataset", "FirstFitPackIterDataset", "GrainPackNames",
+    "LaneOp", "PackInput", "experimental", "merge_states",
     "GrainFilter", "GrainIndex", "GrainLoaderOrder", "GrainMap", "GrainMapWithIndex",
     "GrainMix", "GrainRandomMap", "GrainSampler", "GrainShuffle", "GrainSource", "IndexedRefs",
     "Iterator", "READ_AHEAD", "RECORD", "RNG", "RecordsOf", "VALUE", "collate", "concat_shards",
