@@ -20,7 +20,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Sequence
+from typing import Any, ClassVar, Iterable, Literal, Mapping as Mapping_, Sequence
 
 import numpy as np
 
@@ -121,8 +121,7 @@ class Node:
     def mix(children: Sequence["Node"], weights: Sequence[float] | None = None,
             by: Literal["samples", "tokens"] = "samples", count_field: str = "tokens") -> "Mix":
         children = tuple(children)
-        return Mix(children, tuple(weights) if weights is not None else (1.0,) * len(children),
-                   by, count_field)
+        return Mix(children, weights if weights is not None else (1.0,) * len(children), by, count_field)
 
     # --- serialisation -----------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -294,8 +293,11 @@ class Mix(Node, kind="Mix"):
     def __post_init__(self) -> None:
         if not isinstance(self.children, tuple):
             object.__setattr__(self, "children", tuple(self.children))
-        if not isinstance(self.weights, tuple):
-            object.__setattr__(self, "weights", tuple(self.weights))
+        weights = self.weights
+        if isinstance(weights, (Mapping_, str, bytes)) or not isinstance(weights, Iterable):
+            raise PlanError(f"Mix weights must be a list of numbers, one per child, got {weights!r}")
+        if not isinstance(weights, tuple):
+            object.__setattr__(self, "weights", tuple(weights))
         if not self.children:
             raise PlanError("Mix needs at least one child")
         if not all(isinstance(c, Node) for c in self.children):
@@ -303,11 +305,11 @@ class Mix(Node, kind="Mix"):
         if len(self.weights) != len(self.children):
             raise PlanError(f"Mix has {len(self.children)} children but {len(self.weights)} weights; "
                             "give one weight per child.")
-        try:
-            w = [float(x) for x in self.weights]
-        except (TypeError, ValueError):
-            raise PlanError(f"Mix weights must be numbers, got {list(self.weights)}") from None
-        if any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
+        if not all(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+                   for x in self.weights):
+            raise PlanError(f"Mix weights must be numbers, got {list(self.weights)}")
+        w = [float(x) for x in self.weights]
+        if any(not math.isfinite(x) or x < 0 for x in w) or max(w) <= 0:
             raise PlanError(f"Mix weights must be finite, non-negative and sum to a positive number, "
                             f"got {list(self.weights)}; a weight of 0 drops a child, NaN or a "
                             "negative weight is a mistake.")
@@ -318,7 +320,7 @@ class Mix(Node, kind="Mix"):
     @functools.cached_property
     def normalized(self) -> np.ndarray:
         w = np.asarray(self.weights, np.float64)
-        return w / w.sum()
+        return w / w.max() / (w / w.max()).sum()  # scaled first: huge weights cannot overflow
 
     @functools.cached_property
     def _tree(self) -> tuple:
