@@ -312,3 +312,73 @@ def test_a_superseded_imap_refuses_to_continue():
         assert list(runner.imap(np.positive, range(3))) == [0, 1, 2]
         with pytest.raises(RuntimeError, match="abandoned"):
             next(old)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_every_start_method_gives_the_same_results(method):
+    if method not in __import__("multiprocessing").get_all_start_methods():
+        pytest.skip(f"no {method} here")
+    with Processes(2, depth=3, start_method=method) as runner, deadline(120):
+        got = list(runner.imap(sized, range(12)))
+        assert [g["i"] for g in got] == list(range(12))
+        assert all(np.array_equal(g["a"], sized(g["i"])["a"]) for g in got)
+        with pytest.raises(KeyError, match="no record 4"):
+            list(runner.imap(raise_at_4, range(6)))
+
+
+def test_runners_satisfy_the_protocol():
+    from zephon.runners import Runner, available_cores
+
+    for runner in (inline(), threads(1), processes(1), from_spec("threads:2")):
+        assert isinstance(runner, Runner)
+    assert available_cores() >= 1
+
+
+def test_messages_pickle_as_compact_dataclasses():
+    import dataclasses
+    import pickle
+
+    from zephon.runners.messages import Done, Failed, Run, SetFunction, SlotRef, Stop
+
+    messages = [SetFunction(b"fn"), Stop(), Run({"step": 3}, SlotRef("zephon-1-ab-0", 4096), "zephon-1-ab-1", ("x",), True),
+                Run(7, None, "f", (), False), Done(b"p"), Done(b"p", ((0, 64), (64, 8)), "s", 8192),
+                Failed(None, "KeyError: 4", "Traceback ...")]
+    for msg in messages:
+        assert pickle.loads(pickle.dumps(msg, protocol=5)) == msg
+        assert b"lend" not in pickle.dumps(msg, protocol=5)  # fields travel by position
+        for f in dataclasses.fields(msg):
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(msg, f.name, None)
+        assert not hasattr(msg, "__dict__")  # slotted
+
+
+@pytest.mark.parametrize("kind", ["memfd", "posix", "file"])
+def test_every_kind_of_anonymous_segment_is_shared_and_nameless(kind):
+    """The transport's fallbacks (POSIX segments without memfd, unlinked files without
+    _posixshmem) work on this machine too, and leave no name behind."""
+    import mmap
+    import socket as socketlib
+
+    from zephon.runners import transport
+
+    if kind == "memfd" and not hasattr(os, "memfd_create"):
+        pytest.skip("no memfd_create here")
+    label = f"zephon-test-{os.getpid()}-{kind}"
+    fd = transport.anonymous_segment(label, 8192, kind=kind)
+    a, b = socketlib.socketpair()
+    try:
+        assert not os.get_inheritable(fd) and os.fstat(fd).st_size == 8192
+        assert shm_segments([label]) == []
+        transport.send_fd(a, fd)
+        theirs = transport.map_fd(transport.recv_fd(b), 8192)  # as a worker would
+        ours = transport.map_fd(fd, 8192)
+        theirs[:5] = b"hello"
+        assert ours[:5] == b"hello"
+        ours.close()
+        theirs.close()
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(ValueError):
+        transport.anonymous_segment(label, 4096, kind="nope")
+    assert mmap.PAGESIZE <= transport.slot_size(1) <= 2 * mmap.PAGESIZE

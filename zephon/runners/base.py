@@ -1,0 +1,54 @@
+"""The runner contract: map a pure function over items, in order, faster; never change the data.
+
+Everything that consumes a runner (the step path, `zephon.exec.steps`; the lane engine,
+`zephon.exec.lanes`; the `Loader`) relies on this contract and nothing else, so a runner can be
+swapped for speed alone. The contract is small on purpose:
+
+- `imap(fn, items)` returns an iterator over `fn(item)` for every item, in item order. The runner
+  may compute a bounded number of items ahead (its `depth`), never an unbounded number, so memory
+  is bounded by the depth and not by the data set. Items are pulled from `items` lazily.
+- An exception raised by `fn` is re-raised by the iterator at that item, with its original type;
+  results of the items before it arrive first.
+- The iterator may have a `close()` (generators do): callers that stop early call it when present
+  (`getattr(results, "close", None)`), which cancels work still in flight.
+- `close()` on the runner releases what it holds (threads, processes, shared memory); the runner
+  starts them again on its next `imap`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, Iterator, Protocol, TypeVar, runtime_checkable
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+END = object()  # `next(iterator, END)`: the end of the items, distinct from any item
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What the loader needs of a runner (see the module docstring for the contract)."""
+
+    def imap(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+        """`fn(item)` for every item, in order, computed at most `depth` items ahead."""
+        ...
+
+    def close(self) -> None:
+        """Releases the runner's threads, processes and memory; it restarts when used again."""
+        ...
+
+
+def available_cores() -> int:
+    """CPUs this process may run on (respects affinity masks and cgroup-pinned CPU sets)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def positive(what: str, value: int) -> int:
+    """`value` if it is a positive int (not a bool), else a ValueError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return value

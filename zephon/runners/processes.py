@@ -1,0 +1,315 @@
+"""The process runner: worker processes computing items ahead, results handed over shared memory.
+
+Each worker receives the pickled function once, then only items, round-robin; the consumer reads
+the replies back in item order, so order never depends on which worker was fastest. Results come
+back through the shared-memory transport (`zephon.runners.transport`): arrays never go through a
+pipe, and the arrays handed to the consumer are views of a slot that is reused only after every
+array viewing it has been garbage collected.
+
+The consumer never blocks on a bare `recv`: it waits on the reply pipe *and* on every worker's
+process sentinel, so a worker that dies (SIGKILL, the OOM killer, a crash in native code) raises
+`WorkerError` at once instead of hanging. `close()`, garbage collection and interpreter exit
+terminate the workers and release every slot.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import socket
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+from zephon.errors import WorkerError
+from zephon.runners import errors
+from zephon.runners.base import END, R, T, available_cores, positive
+from zephon.runners.messages import Done, Failed, Request, Run, SetFunction, Stop
+from zephon.runners.transport import Slot, SlotPool, fd_socket, recv_fd, send_fd
+from zephon.runners.worker import worker_main
+
+log = logging.getLogger(__name__)
+
+_POLL_SECONDS = 1.0  # upper bound between liveness checks while waiting for a worker
+
+
+@dataclass(eq=False)
+class _Task:
+    """An item in flight on a worker, as the consumer remembers it."""
+
+    index: int
+    slot: Slot | None  # the slot lent for its result
+    fresh: str  # the name the worker creates a segment under if `slot` is too small
+
+
+@dataclass(eq=False)
+class _Worker:
+    process: Any  # a multiprocessing Process of the runner's context
+    conn: mpc.Connection
+    sock: socket.socket  # the same socketpair end as `conn`, for descriptors
+    inflight: deque[_Task] = field(default_factory=deque)
+    has_fn: bool = False
+    retired_seen: int = 0
+    mapped: set[str] = field(default_factory=set)  # slots this worker has mapped
+
+
+_LIVE: "weakref.WeakSet[Processes]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Interpreter exit: stop every runner's workers (daemon processes would be killed anyway,
+    but closing first lets them exit cleanly)."""
+    for runner in list(_LIVE):
+        runner.close()
+
+
+def _default_start_method() -> str:
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+class Processes:
+    """Worker processes computing up to `depth` items ahead, handing arrays over shared memory.
+
+    Args:
+      workers: number of processes (default: the CPUs this process may use).
+      depth: items in flight (default 2 per worker); bounds memory with the item size.
+      start_method: 'forkserver' (default on POSIX), 'spawn' or 'fork'. Fork is fast but unsafe
+        when the parent runs threads (JAX, ArrayRecord's reader pool); forkserver forks workers
+        from a clean single-threaded server.
+      timeout: seconds to wait for one result before declaring the workers stuck (None: forever,
+        while still checking liveness every second).
+
+    Exceptions raised by `fn` in a worker are re-raised in the consumer with their original type
+    (the worker's traceback is chained); a worker that dies raises `WorkerError`.
+    """
+
+    def __init__(self, workers: int | None = None, *, depth: int | None = None,
+                 start_method: str | None = None, timeout: float | None = None) -> None:
+        self.workers = positive("processes(workers)", available_cores() if workers is None else workers)
+        self.depth = positive("processes(depth)", 2 * self.workers if depth is None else depth)
+        self.start_method = start_method or _default_start_method()
+        if self.start_method not in mp.get_all_start_methods():
+            raise ValueError(f"start method {self.start_method!r} is not available here; use one of "
+                             f"{mp.get_all_start_methods()}")
+        self.timeout = timeout
+        self._workers: list[_Worker] = []
+        self._pool = SlotPool()
+        self._fn: Any = None
+        self._fn_blob: bytes | None = None
+        self._next_worker = 0
+        self._generation = 0
+        _LIVE.add(self)
+
+    def __repr__(self) -> str:
+        return f"processes({self.workers}, depth={self.depth}, start_method={self.start_method!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A runner pickles as its configuration; the copy starts its own workers when used."""
+        return {"workers": self.workers, "depth": self.depth, "start_method": self.start_method,
+                "timeout": self.timeout}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["workers"], depth=state["depth"],  # type: ignore[misc]
+                      start_method=state["start_method"], timeout=state["timeout"])
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the running workers (empty before the first `imap` and after close)."""
+        return [w.process.pid for w in self._workers]
+
+    @property
+    def segments(self) -> list[str]:
+        """Names of the shared-memory segments currently allocated (for tests and debugging)."""
+        return self._pool.names()
+
+    def _start(self) -> None:
+        ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            ctx.set_forkserver_preload(["numpy", "zephon.runners"])
+        for i in range(self.workers):
+            parent, child = ctx.Pipe(duplex=True)  # a socketpair: it can carry descriptors
+            proc = ctx.Process(target=worker_main, args=(child, i, os.getpid()), daemon=True,
+                               name=f"zephon-worker-{i}")
+            proc.start()
+            child.close()
+            self._workers.append(_Worker(proc, parent, fd_socket(parent)))
+        log.debug("%r started workers %s", self, self.pids)
+
+    def close(self) -> None:
+        """Stops the workers (stop message, then SIGTERM, then SIGKILL) and releases every slot
+        (its memory goes when the last array viewing it does)."""
+        workers, self._workers = self._workers, []
+        for w in workers:
+            try:
+                w.conn.send(Stop())
+            except (OSError, ValueError):
+                pass
+        for w in workers:
+            w.process.join(timeout=0.5)
+            if w.process.is_alive():
+                w.process.terminate()
+                w.process.join(timeout=2)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(timeout=2)
+            w.conn.close()
+            w.sock.close()
+        self._pool.close()
+        self._fn, self._fn_blob = None, None
+        self._generation += 1
+        if workers:
+            log.debug("%r stopped workers %s", self, [w.process.pid for w in workers])
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    def __enter__(self) -> "Processes":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- mapping --------------------------------------------------------------------------------
+    def imap(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+        """`fn(item)` for every item, in order. The function is pickled here (a clear
+        `WorkerError` if it cannot be), once per function; workers start on first iteration."""
+        if fn is not self._fn:
+            try:
+                blob = pickle.dumps(fn, protocol=5)
+            except Exception as e:
+                raise errors.function_unpicklable(e) from e
+        else:
+            blob = self._fn_blob  # type: ignore[assignment]
+        self._install(fn, blob)
+        return self._results(iter(items), fn, blob)
+
+    def _install(self, fn: Callable[[Any], Any], blob: bytes) -> None:
+        if fn is not self._fn:
+            self._fn, self._fn_blob = fn, blob
+            for w in self._workers:
+                w.has_fn = False
+
+    def _results(self, items: Iterator[Any], fn: Callable[[Any], Any], blob: bytes) -> Iterator[Any]:
+        """One imap at a time: starting another abandons this one (its in-flight items are
+        drained and discarded), and resuming an abandoned one raises."""
+        if not self._workers:
+            self._start()
+        self._drain()
+        self._install(fn, blob)  # another imap (or a close) may have come in between
+        self._generation += 1
+        generation = self._generation
+        order: deque[_Worker] = deque()
+        index = 0
+        try:
+            for item in itertools.islice(items, self.depth):
+                order.append(self._submit(index, item))
+                index += 1
+            while order:
+                if generation != self._generation:
+                    raise RuntimeError("a newer imap() or close() on this runner abandoned this "
+                                       "iterator; iterate one imap() at a time.")
+                worker = order.popleft()
+                result = self._receive(worker)
+                nxt = next(items, END)
+                if nxt is not END:
+                    order.append(self._submit(index, nxt))
+                    index += 1
+                yield result
+        except WorkerError:
+            self.close()
+            raise
+
+    def _submit(self, index: int, item: Any) -> _Worker:
+        """Sends `item` to the next worker (round-robin), lending it a free slot if there is one."""
+        w = self._workers[self._next_worker]
+        self._next_worker = (self._next_worker + 1) % len(self._workers)
+        if not w.has_fn:
+            self._send(w, SetFunction(self._fn_blob))  # type: ignore[arg-type]
+            w.has_fn = True
+        slot, fresh = self._pool.acquire(), self._pool.fresh_name()
+        retired = tuple(self._pool.retired[w.retired_seen:])
+        w.retired_seen = len(self._pool.retired)
+        w.mapped.difference_update(retired)
+        lend = slot is not None and slot.name not in w.mapped
+        w.inflight.append(_Task(index, slot, fresh))
+        self._send(w, Run(item, slot.ref() if slot else None, fresh, retired, lend))
+        if lend:
+            assert slot is not None
+            try:
+                send_fd(w.sock, slot.fd)
+            except OSError as e:
+                raise self._death(w, "accepting work") from e
+            w.mapped.add(slot.name)
+        return w
+
+    def _send(self, w: _Worker, msg: Request) -> None:
+        try:
+            w.conn.send(msg)
+        except (BrokenPipeError, OSError) as e:
+            raise self._death(w, "accepting work") from e
+
+    def _receive(self, w: _Worker) -> Any:
+        """The next reply of worker `w`, waiting on its pipe and on every worker's liveness."""
+        task = w.inflight[0]
+        waited = 0.0
+        fd = None
+        while True:
+            ready = mpc.wait([w.conn] + [x.process.sentinel for x in self._workers], _POLL_SECONDS)
+            if w.conn in ready:
+                try:
+                    msg = w.conn.recv()
+                    if isinstance(msg, Done) and msg.created:  # a new segment: its descriptor follows
+                        fd = recv_fd(w.sock)
+                        w.mapped.add(msg.slot)  # type: ignore[arg-type]
+                except (EOFError, OSError) as e:
+                    raise self._death(w, f"computing item {task.index}") from e
+                break
+            for x in self._workers:
+                if not x.process.is_alive():
+                    raise self._death(x, f"computing item {task.index}" if x is w else "running")
+            waited += _POLL_SECONDS if not ready else 0.0
+            if self.timeout is not None and waited >= self.timeout:
+                raise errors.worker_stuck(self._workers.index(w), w.process.pid, task.index,
+                                          self.timeout)
+        w.inflight.popleft()
+        return self._unpack(msg, task, fd)
+
+    def _unpack(self, msg: Done | Failed, task: _Task, fd: int | None) -> Any:
+        if isinstance(msg, Failed):
+            self._pool.release(task.slot)
+            errors.raise_failure(msg)
+        buffers = self._pool.unpack(msg, task.slot, fd)
+        try:
+            return pickle.loads(msg.payload, buffers=buffers)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure is the same problem
+            raise errors.result_unpicklable(task.index, e) from e
+
+    def _drain(self) -> None:
+        """Receives and discards results of items an abandoned `imap` left in flight."""
+        for w in self._workers:
+            while w.inflight:
+                try:
+                    self._receive(w)
+                except WorkerError:
+                    self.close()
+                    raise
+                except Exception:  # noqa: BLE001 - the consumer no longer wants this result
+                    pass
+
+    def _death(self, w: _Worker, doing: str) -> WorkerError:
+        w.process.join(timeout=1)
+        index = self._workers.index(w) if w in self._workers else -1
+        error = errors.worker_died(index, w.process.pid, w.process.exitcode, doing)
+        log.debug("%s", error)
+        return error

@@ -1,0 +1,78 @@
+"""The thread runner: a thread pool computing a bounded number of items ahead, yielded in order.
+
+Threads share the consumer's memory, so results need no transport at all; they overlap wherever
+the work releases the GIL (ArrayRecord's C++ reader, pyarrow, large numpy operations) and do not
+overlap pure-Python work — use `processes(n)` for that.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator
+
+from zephon.runners.base import END, R, T, available_cores, positive
+
+
+class Threads:
+    """A thread pool computing up to `depth` items ahead of the consumer, yielded in order.
+
+    Args:
+      workers: threads in the pool (default: the CPUs this process may use).
+      depth: items in flight (default 2 per thread); bounds memory with the item size.
+
+    An exception raised by `fn` is re-raised in the consumer unchanged (same type as inline). The
+    pool is made on first use, so a configured runner costs nothing until it runs.
+    """
+
+    def __init__(self, workers: int | None = None, *, depth: int | None = None) -> None:
+        self.workers = positive("threads(workers)", available_cores() if workers is None else workers)
+        self.depth = positive("threads(depth)", 2 * self.workers if depth is None else depth)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"threads({self.workers}, depth={self.depth})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A runner pickles as its configuration; the copy makes its own pool when used."""
+        return {"workers": self.workers, "depth": self.depth}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["workers"], depth=state["depth"])  # type: ignore[misc]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="zephon")
+            return self._pool
+
+    def imap(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+        pool = self._executor()
+        source = iter(items)
+        window: deque[Future[R]] = deque(pool.submit(fn, item)
+                                         for item in itertools.islice(source, self.depth))
+        try:
+            while window:
+                result = window.popleft().result()
+                nxt = next(source, END)
+                if nxt is not END:
+                    window.append(pool.submit(fn, nxt))  # type: ignore[arg-type]
+                yield result
+        finally:
+            for fut in window:
+                fut.cancel()
+
+    def close(self) -> None:
+        """Shuts the pool down (waiting for running items, cancelling queued ones)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

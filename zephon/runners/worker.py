@@ -1,0 +1,96 @@
+"""The worker process's side of `processes(n)`: receive the function once, then items; reply in order.
+
+This is all the code that runs in a worker (besides the function itself): it is what the
+forkserver preloads (`zephon.runners`), and it touches no consumer state. Each worker serves one
+duplex pipe: `SetFunction`, then `Run` after `Run`, each answered by exactly one `Done` or
+`Failed`, in order (see `zephon.runners.messages`). A worker never decides anything on its own:
+slots are lent and retired by the consumer, and a worker only maps, fills and unmaps them.
+
+A worker ends when told (`Stop`), when its pipe closes, or — even in the middle of a long item —
+the moment the consumer process ends (`_watch_consumer`), so an orphaned worker never keeps its
+memory alive.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing.connection as mpc
+import os
+import pickle
+import select
+import signal
+import threading
+from typing import Any, Callable
+
+from zephon.runners.errors import failure
+from zephon.runners.messages import Failed, Done, Run, SetFunction, Stop
+from zephon.runners.transport import fd_socket, map_fd, pack, recv_fd, send_fd
+
+
+def worker_main(conn: mpc.Connection, index: int, consumer: int | None = None) -> None:
+    """A worker's life: serve `conn` until told to stop or the consumer is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
+    if consumer is not None:
+        threading.Thread(target=_watch_consumer, args=(consumer,), daemon=True,
+                         name="zephon-watch-consumer").start()
+    fn: Callable[[Any], Any] | None = None
+    fn_error: BaseException | None = None
+    maps: dict[str, mmap.mmap] = {}  # the slots this worker has mapped, by name
+    sock = fd_socket(conn)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the consumer is gone
+        if isinstance(msg, Stop):
+            return
+        if isinstance(msg, SetFunction):
+            try:
+                fn, fn_error = pickle.loads(msg.blob), None
+            except BaseException as e:  # noqa: BLE001 - reported with every item instead
+                fn, fn_error = None, e
+            continue
+        assert isinstance(msg, Run), msg
+        for name in msg.retired:
+            old = maps.pop(name, None)
+            if old is not None:
+                old.close()
+        if msg.lend:  # the descriptor of a slot we have not mapped follows the message
+            assert msg.slot is not None
+            try:
+                maps[msg.slot.name] = map_fd(recv_fd(sock), msg.slot.size)
+            except (EOFError, OSError):
+                return
+        fd = None
+        reply: Done | Failed
+        try:
+            if fn_error is not None:
+                raise fn_error
+            reply, fd = pack(fn(msg.item), msg.slot, msg.fresh, maps)  # type: ignore[misc]
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the consumer
+            reply = failure(e)
+        try:
+            conn.send(reply)
+            if fd is not None:
+                send_fd(sock, fd)
+        except (BrokenPipeError, OSError):
+            return
+        finally:
+            if fd is not None:
+                os.close(fd)  # our mapping (in `maps`) keeps the memory
+
+
+def _watch_consumer(pid: int) -> None:
+    """Ends this worker the moment the consumer process ends, whatever it is doing.
+
+    The consumer's end of the pipe closing also ends an idle worker, but a worker busy with a
+    long item would otherwise run on (holding its memory) until it next talks to the pipe.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):  # no pidfd (not Linux >= 5.3): the pipe's EOF still ends us
+        return
+    select.select([fd], [], [])
+    os._exit(0)
