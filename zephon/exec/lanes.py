@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from zephon.errors import PlanError
+from zephon.errors import PlanError, StateError
 from zephon.exec.windows import (Provenance, Window, WindowTask, concat_cols, rematerialize,
                                  take_rows, window_size)
 from zephon.exec.pipeline import LanePipeline
@@ -83,6 +83,13 @@ class LaneEngine:
         self._held: list[tuple[Columns, list[Provenance]]] = []
         if pipeline.acc is not None:
             self._held = rematerialize(self.task, self.states)
+            for lane, st, (cols, _) in zip(owned, self._states, self._held):
+                try:
+                    pipeline.acc.check_carry(st.carry, cols)
+                except (ValueError, TypeError, KeyError) as e:
+                    raise StateError(f"lane {int(lane)} of the state has a 'carry' that "
+                                     f"{pipeline.acc.op_name} cannot continue from: {e}. The state "
+                                     "was edited or belongs to another pipeline.") from None
 
     @property
     def states(self) -> list[LaneState]:

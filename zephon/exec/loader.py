@@ -338,13 +338,9 @@ class Loader:
             raise StateError(f"the state lacks lanes {missing[:8]}{'...' if len(missing) > 8 else ''} "
                              "that this rank owns; merge every rank's state with merge_states() "
                              "before restoring at a different data-parallel degree.")
-        parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix)
+        limits = [self.plan.lanes.branch_length(b) for b in range(self.branches)]
+        parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix, limits)
                   for l in self.owned]
-        limit = self.plan.lanes.lane_length() if self.branches == 1 else None
-        for l, st in zip(self.owned, parsed):
-            if limit is not None and st.cursor[0] > limit:
-                raise StateError(f"lane {int(l)} of the state is at input {st.cursor[0]}, beyond its "
-                                 f"{limit} inputs; the state was edited or belongs to another plan.")
         if self.random_access:
             for l, st in zip(self.owned, parsed):
                 if st.cursor[0] != step * self.plan.per_lane or st.skip[0]:
@@ -386,6 +382,9 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         raise StateError("merge_states needs at least one state")
     for s in states:
         check_state(s)
+        if not isinstance(s.get("lanes"), Mapping):
+            raise StateError(f"a state's 'lanes' is {type(s.get('lanes')).__name__}, expected an "
+                             "object {lane: state}; pass states as Loader.state() returns them.")
     head = dict(states[0])
     for s in states[1:]:
         for key in ("plan_fingerprint", "seed", "pipeline", "step"):

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from zephon.errors import StateError
+
+_LIMIT = 1 << 62  # positions beyond this are edits, not progress (and would overflow int64 math)
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,9 @@ class LaneState:
         return out
 
     @staticmethod
-    def from_json(obj: Any, lane: int | str = "?", branches: int = 1, mixed: bool = False) -> "LaneState":
+    def from_json(obj: Any, lane: int | str = "?", branches: int = 1, mixed: bool = False,
+                  limits: Sequence[int | None] = ()) -> "LaneState":
+        """Parses and checks one lane's JSON; `limits` are the inputs each branch's lane has."""
         where = f"lane {lane} of the state"
         if not isinstance(obj, Mapping):
             raise StateError(f"{where} is {type(obj).__name__}, expected an object with 'cursor'")
@@ -54,19 +58,30 @@ class LaneState:
             if isinstance(v, int) and not isinstance(v, bool) and n == 1:
                 v = [v]
             if (not isinstance(v, list) or len(v) != n
-                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in v)):
+                    or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < _LIMIT for x in v)):
                 raise StateError(f"{where} has an invalid {key!r}: {v!r}; expected {n} non-negative "
                                  "integer(s). The state was edited or belongs to another pipeline.")
             return tuple(v)
 
         cursor = ints("cursor", branches)
+        for b, limit in enumerate(limits):
+            if limit is not None and cursor[b] > limit:
+                raise StateError(f"{where} is at input {cursor[b]}"
+                                 f"{f' of source branch {b}' if branches > 1 else ''}, beyond its "
+                                 f"{limit} inputs ('cursor'); the state was edited or belongs to "
+                                 "another plan.")
         skip = ints("skip", branches, 0)
         mix = ints("mix", branches) if mixed else ()
         held_raw = obj.get("held", [])
         if (not isinstance(held_raw, list) or any(
                 not isinstance(h, list) or len(h) != 3 or any(isinstance(x, bool) or not isinstance(x, int)
-                                                              or x < 0 for x in h) or h[0] >= branches
-                for h in held_raw)):
+                                                              or not 0 <= x < _LIMIT for x in h)
+                or h[0] >= branches for h in held_raw)):
             raise StateError(f"{where} has an invalid 'held' list {held_raw!r}; expected "
                              "[branch, input, output] triples.")
+        for b, i, o in held_raw:  # held inputs were consumed: they lie before the lane's position
+            if (i, o) >= (cursor[b], skip[b]):
+                raise StateError(f"{where} has an invalid 'held' entry {[b, i, o]}: it lies at or after "
+                                 f"the lane's position (input {cursor[b]}, output {skip[b]}) of branch "
+                                 f"{b}; the state was edited.")
         return LaneState(cursor, skip, mix, tuple(tuple(h) for h in held_raw), obj.get("carry"))

@@ -78,6 +78,64 @@ class Pack(Accumulator):
                 "max_open_bins": self.max_open_bins, "pad_id": self.pad_id,
                 "max_segments": self.max_segments, "names": self.names, "dtype": self.dtype}
 
+    def check_carry(self, carry: Any, held: Columns) -> None:
+        docs = list(held.get(self.field, ())) if held else []
+        n = len(docs)
+
+        def seg(v: Any, what: str) -> tuple[int, int]:
+            if (not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v)):
+                raise ValueError(f"{what} {v!r} is not a list of integers")
+            if not v or not 0 <= v[0] < n:
+                raise ValueError(f"{what} {v!r} names held input {v[0] if v else '?'} of {n}")
+            return v[0], len(docs[v[0]])
+
+        if self.mode == "concat":
+            if n == 0:
+                if carry is not None:
+                    raise ValueError(f"carry {carry!r} with no held input (expected null)")
+                return
+            if n != 1 or not isinstance(carry, dict) or set(carry) != {"offset"}:
+                raise ValueError(f"concat packing holds one input with carry {{'offset': k}}; got "
+                                 f"{n} held and carry {carry!r}")
+            off = carry["offset"]
+            if isinstance(off, bool) or not isinstance(off, int) or not 0 < off < len(docs[0]):
+                raise ValueError(f"carry offset {off!r} is not inside the held document "
+                                 f"(1..{len(docs[0]) - 1})")
+            return
+        if carry is None:
+            if n:
+                raise ValueError(f"{n} held inputs but no carry naming them")
+            return
+        if not isinstance(carry, dict) or set(carry) != {"bins", "pending"} or not isinstance(carry["bins"], list):
+            raise ValueError(f"fit packing's carry is {{'bins': [...], 'pending': ...}}; got {carry!r}")
+        used: set[int] = set()
+        for b in carry["bins"]:
+            if not isinstance(b, list) or not b:
+                raise ValueError(f"bin {b!r} is not a non-empty list of [input, start, stop]")
+            total = 0
+            for triple in b:
+                if not isinstance(triple, list) or len(triple) != 3:
+                    raise ValueError(f"bin segment {triple!r} is not [input, start, stop]")
+                q, size = seg(triple, "bin segment")
+                if not 0 <= triple[1] < triple[2] <= size:
+                    raise ValueError(f"bin segment {triple!r} is outside its document of {size} tokens")
+                total += triple[2] - triple[1]
+                used.add(q)
+            if total > self.seq_len:
+                raise ValueError(f"bin {b!r} holds {total} tokens, more than seq_len {self.seq_len}")
+        if len(carry["bins"]) > self.max_open_bins:
+            raise ValueError(f"{len(carry['bins'])} open bins, more than max_open_bins {self.max_open_bins}")
+        p = carry["pending"]
+        if p is not None:
+            if not isinstance(p, list) or len(p) != 2:
+                raise ValueError(f"pending {p!r} is not [input, offset]")
+            q, size = seg(p, "pending")
+            if not 0 < p[1] < size:
+                raise ValueError(f"pending offset {p[1]!r} is not inside its document of {size} tokens")
+            used.add(q)
+        if used != set(range(n)):
+            raise ValueError(f"the carry names held inputs {sorted(used)}, but {n} are held")
+
     def max_pending(self) -> int:
         return 1 if self.mode == "concat" else self.max_open_bins * self.seq_len + 1
 
