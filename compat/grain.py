@@ -20,6 +20,18 @@ field names, a bare value becomes `VALUE`; numbers and arrays stack as Grain's `
 while bytes and str stay object arrays — exact, and the same whatever the data-parallel degree
 (Grain's fixed-width S/U arrays would depend on which rows are stacked together).
 
+LM pipelines. `map()` also takes Zephon lane operators — `Tokenize`, `zephon.Map`/`Filter`/
+`FlatMap`, a `zephon.ops.pack.Pack` — and Grain's packing datasets keep their names and
+arguments under `experimental` (`zg.experimental.ConcatThenSplitIterDataset(ds, length_struct=
+{"tokens": 2048})`, `FirstFitPackIterDataset`, `BestFitPackIterDataset(..., num_packing_bins=8)`):
+they compile to `Pack(seq_len, mode)` running in every lane of Zephon's lane engine, with
+MaxText's field names by default (`names="grain"`: Grain's packer layout). `Dataset.mix(...,
+by="tokens")` balances realised tokens inside every lane. Such pipelines batch, shard, resume
+from the one Zephon JSON state (at another data-parallel degree after `merge_states`) and feed
+`to_jax`/`to_torch`/`to_torch_dataset` like any other. Packing is Zephon's: it loses no token
+(documents longer than seq_len are split, never dropped), so rows equal Grain's only for
+concat-then-split at `lanes(1)`.
+
 Plans holding Grain nodes load with `Node.from_json` only after `import zephon.compat.grain`.
 """
 
@@ -516,6 +528,9 @@ class LaneOp(Transform):
     """
 
     op: Transform
+
+    def __repr__(self) -> str:
+        return f"LaneOp({self.op.op_name})"
 
     @property
     def one_to_one(self) -> bool:  # type: ignore[override]
@@ -1187,6 +1202,9 @@ class Dataset:
         return GRAIN_INFINITE if n is None else int(n)
 
     def _item(self, index: int) -> Any:
+        if self.packed or self._token_mixed:
+            raise PlanError(f"ds[{index}]: a packed or token-mixed pipeline has no random access "
+                            "(where a row starts depends on every document before it); iterate it.")
         if index < 0:
             index += len(self)
         if self.batched:
@@ -1282,6 +1300,13 @@ def _bos_handling_none(bos_handling: Any) -> bool:
     return bos_handling is None or bos_handling == grain.experimental.BOSHandling.DO_NOTHING
 
 
+def _check_parent(parent: Any, cls: str) -> None:
+    if not isinstance(parent, Dataset):
+        raise PlanError(f"{cls} packs a zephon.compat.grain Dataset, got {type(parent).__name__}; "
+                        "build the pipeline with zg.Dataset (a real Grain dataset takes "
+                        f"grain.experimental.{cls}).")
+
+
 def _refuse(what: str, value: Any, why: str) -> None:
     raise PlanError(f"{what}={value!r} is not supported by Zephon's packing: {why}")
 
@@ -1324,6 +1349,7 @@ class ConcatThenSplitIterDataset(Dataset):
                  meta_features: Sequence[str] = (), split_full_length_features: bool = True,
                  bos_handling: Any = None, bos_features: Sequence[str] = (),
                  bos_token_id: int | None = None, names: str = "maxtext") -> None:
+        _check_parent(parent, "ConcatThenSplitIterDataset")
         if meta_features:
             _refuse("meta_features", meta_features, "it packs token features only; drop or pack "
                     "the other features before the packing step.")
@@ -1359,6 +1385,7 @@ class FirstFitPackIterDataset(Dataset):
                  shuffle_bins_group_by_feature: str | None = None, meta_features: Sequence[str] = (),
                  pack_alignment_struct: Any = None, padding_struct: Any = None,
                  max_sequences_per_bin: int | None = None, names: str = "maxtext") -> None:
+        _check_parent(parent, self._grain_name)
         kwargs = _fit_args(length_struct, num_packing_bins, seed, shuffle_bins,
                            shuffle_bins_group_by_feature, meta_features, pack_alignment_struct,
                            padding_struct, max_sequences_per_bin)

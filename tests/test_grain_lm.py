@@ -15,6 +15,7 @@ from zephon import DecodeError, Loader, Mix, PlanError, Repeat, Source, StateErr
 from zephon.compat.grain_order import GrainShuffle
 from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
+from zephon.runners import threads
 from zephon.sources.memory import ArraySource
 from zephon.textdata import EOS_ID, generate_corpus, train_bpe
 
@@ -106,6 +107,7 @@ def test_shards_fingerprints_and_state_are_elastic(corpora, mode):
     ds = lm_dataset(corpora, mode)
     ref_fp = ds.fingerprints(8)
     assert ds.fingerprints(8, world=2) == ref_fp == ds.fingerprints(8, world=4)
+    assert ds.runner(threads(2)).fingerprints(8, world=2) == ref_fp
     full = take(iter(ds), 8)
     its = [iter(ds.shard(r, 2)) for r in range(2)]
     for k in range(3):
@@ -268,3 +270,24 @@ def test_unsupported_packer_options_are_refused_with_a_reason(corpora):
     next(a)
     with pytest.raises(StateError, match="seq_len 64 != 32"):
         iter(cts(it, length_struct={"tokens": 32}).batch(2)).set_state(a.get_state())
+
+
+def test_unbatched_packed_rows_resume_inside_a_step(corpora):
+    """Without batch() the iterator yields packed rows one by one (one per lane a step); a state
+    taken inside a step resumes at the same row. No len(), no ds[i]: like Grain's IterDataset."""
+    prose, _, tok = corpora
+    base = zg.Dataset.source([{"text": t} for t in prose]).shuffle(seed=3).repeat().map(Tokenize(tok))
+    ds = zg.experimental.BestFitPackIterDataset(base, length_struct={"tokens": 256}, num_packing_bins=3).lanes(2)
+    it = iter(ds)
+    take(it, 7)
+    state = json.loads(json.dumps(it.get_state()))
+    assert state["skip"] == 1 and state["loader"]["step"] == 3
+    rest = take(it, 5)
+    again = iter(ds)
+    again.set_state(state)
+    assert_same(take(again, 5), rest)
+    assert set(rest[0]) == MAXTEXT and rest[0]["inputs"].shape == (256,)
+    with pytest.raises(TypeError, match="no length"):
+        len(ds)
+    with pytest.raises(PlanError, match="no random access"):
+        ds[3]
