@@ -538,3 +538,22 @@ def test_grain_is_one_more_column_of_the_verify_matrix() -> None:
     for world in (1, 2, 4, 8):
         loaders = [z.loader(rank=r, world=world) for r in range(world)]
         assert run_fingerprints(loaders, 6) == want
+
+
+def test_zephon_row_operators_run_between_grain_maps():
+    """map()/filter() take Zephon row operators too: Grain records are stacked into columns for
+    them (a vectorised zephon.Map sees columns), and a Grain map after them sees dict records."""
+    import zephon
+
+    def plus_one(cols):
+        return {"x": cols["x"] + 1}
+
+    ds = (zg.Dataset.source([{"x": i} for i in range(64)]).map(lambda r: {"x": r["x"] * 2})
+          .map(zephon.Map(plus_one, batched=True)).filter(zephon.Filter(lambda r: r["x"] % 3 != 0))
+          .map(lambda r: {"y": int(r["x"]) * 10}).batch(4))
+    it = iter(ds)
+    want = [10 * (2 * i + 1) for i in range(64) if (2 * i + 1) % 3]
+    got = np.concatenate([next(it)["y"] for _ in range(5)])
+    assert got.tolist() == want[:20]
+    assert [t.op_name for t in ds.transforms][1:3] == ["Map(test_zephon_row_operators_run_between_grain_maps.<locals>.plus_one)",
+                                                        "Filter(test_zephon_row_operators_run_between_grain_maps.<locals>.<lambda>)"]
