@@ -406,14 +406,21 @@ def environment(argv: list[str]) -> dict[str, Any]:
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
+    import zephon
+
+    # a frozen copy (`git archive HEAD`, commit in .git_commit, run with PYTHONPATH=<copy>) measures
+    # one version of the code while others keep committing to the checkout
+    stamp = HERE.parent / ".git_commit"
+    snapshot = stamp.read_text().strip() if stamp.exists() and not (HERE.parent / ".git").exists() else ""
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?") \
         if os.path.exists("/proc/cpuinfo") else platform.processor()
     return {"command": ("zephon bench " + shlex.join(argv)).strip(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "python": platform.python_version(), "cpus": len(os.sched_getaffinity(0)), "cpu": cpu,
             "versions": {p: version(p) for p in ("numpy", "grain", "array-record", "pyarrow")},
             "zephon_diff_sha1": hashlib.sha1(git("diff", "HEAD", "--", "zephon").encode()).hexdigest()[:12],
-            "git_commit": git("rev-parse", "--short", "HEAD"), "git_dirty": bool(git("status", "--porcelain",
-                                                                                       "zephon", "benchmarks"))}
+            "git_commit": git("rev-parse", "--short", "HEAD") or snapshot, "snapshot": bool(snapshot),
+            "zephon_path": str(Path(zephon.__file__).parent),
+            "git_dirty": bool(git("status", "--porcelain", "zephon", "benchmarks"))}
 
 
 def main(argv: list[str] | None = None) -> int:
