@@ -30,7 +30,8 @@ by="tokens")` balances realised tokens inside every lane. Such pipelines batch, 
 from the one Zephon JSON state (at another data-parallel degree after `merge_states`) and feed
 `to_jax`/`to_torch`/`to_torch_dataset` like any other. Packing is Zephon's: it loses no token
 (documents longer than seq_len are split, never dropped), so rows equal Grain's only for
-concat-then-split at `lanes(1)`.
+concat-then-split at `lanes(1)`. A finite stream (no `repeat()`) ends at its last full global
+batch: the partly filled rows still open then are not emitted (Grain pads and emits them).
 
 Plans holding Grain nodes load with `Node.from_json` only after `import zephon.compat.grain`.
 """
@@ -558,9 +559,11 @@ class LaneOp(Transform):
         return self.op.checked_identity()
 
     def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, Any]:
+        if not len(refs) and (not cols or RECORD in cols):
+            # no record to learn the column names from (a window past the end of a finite
+            # stream, or all filtered out): nothing to do
+            return {}, None
         if RECORD in cols or RNG in cols:
-            if not len(refs):  # no record to learn the column names from: nothing to do
-                return {}, None
             cols = collate(cols)
         return self.op.apply(cols, refs, seed)
 
