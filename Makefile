@@ -35,5 +35,12 @@ bench: $(STAMP)
 experiment: $(STAMP)
 	$(PY) benchmarks/elastic_training.py
 
+.PHONY: soak
+# Soak (a few minutes): packed LM pipeline for several epochs on processes(2) with worker SIGKILLs and
+# stop/resume across D; exact tokens, stream = uninterrupted one, RSS/FDs/shm sampled;
+# writes benchmarks/results/soak.{json,png}
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info
