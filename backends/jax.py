@@ -11,6 +11,11 @@ Because the loader's global batch is a function of the plan and the step only, t
 identical for every mesh shape, number of processes and prefetch depth; only their placement
 differs. A background thread builds the next batches on device while the train step runs, with a
 bounded queue, and `state()` describes the batches the *caller* consumed, not the ones prefetched.
+
+Batches are `JaxBatch`es — dicts of global arrays (a pytree like `dict`) with
+`micro_batches(n)` for gradient accumulation: micro-batch `i` holds the `i`-th `1/n` of every
+device's rows, sharded like the batch, so splitting costs no communication and
+`join_micro_batches` (per device, the micro-batches' blocks concatenated) gives the batch back.
 """
 
 from __future__ import annotations
@@ -210,17 +215,89 @@ class Emitter:
         return {name: (device_dtype_array(name, arr), batch.global_shape(name))
                 for name, arr in batch.data.items() if name not in self.exclude}
 
-    def device(self, host: HostBatch) -> dict[str, jax.Array]:
+    def device(self, host: HostBatch) -> JaxBatch:
         """The device half: global arrays, transfers dispatched asynchronously."""
-        return {name: jax.make_array_from_process_local_data(self.sharding(name), arr, shape)
-                for name, (arr, shape) in host.items()}
+        return JaxBatch({name: jax.make_array_from_process_local_data(self.sharding(name), arr, shape)
+                         for name, (arr, shape) in host.items()})
 
-    def __call__(self, batch: LocalBatch) -> dict[str, jax.Array]:
+    def __call__(self, batch: LocalBatch) -> JaxBatch:
         """Global arrays of `batch`, transferred to the devices before returning."""
         return jax.block_until_ready(self.device(self.host(batch)))
 
 
 HostBatch = dict[str, tuple[np.ndarray, tuple[int, ...]]]
+
+
+class JaxBatch(dict):
+    """`{field: jax.Array}` of a global batch, with `micro_batches(n)`; a pytree like `dict`
+    (flattened in sorted key order), so it goes straight into `jax.jit` functions."""
+
+    def micro_batches(self, n: int) -> list["JaxBatch"]:
+        """`n` micro-batches, each sharded like the batch (see `micro_batches`)."""
+        return micro_batches(self, n)
+
+
+def _flatten_with_keys(b: JaxBatch) -> tuple[list[tuple[Any, Any]], tuple[str, ...]]:
+    keys = tuple(sorted(b))
+    return [(jax.tree_util.DictKey(k), b[k]) for k in keys], keys
+
+
+jax.tree_util.register_pytree_with_keys(
+    JaxBatch, _flatten_with_keys, lambda keys, values: JaxBatch(zip(keys, values)),
+    lambda b: ([b[k] for k in sorted(b)], tuple(sorted(b))))
+
+
+def _device_blocks(name: str, arr: jax.Array) -> list[Any]:
+    shards = arr.addressable_shards
+    if not shards:
+        raise PlanError(f"field {name!r} has no shard on this process's devices")
+    return shards
+
+
+def micro_batches(batch: Mapping[str, jax.Array], n: int) -> list[JaxBatch]:
+    """`n` micro-batches of a batch of global arrays, for gradient accumulation.
+
+    Every device's block of rows is cut into `n` equal consecutive pieces; micro-batch `i` is the
+    global array of the `i`-th pieces, with the batch's sharding and `1/n` of its rows. No data
+    moves between devices or processes. Per device, the micro-batches' blocks concatenate to the
+    batch's block (`join_micro_batches` gives the batch back), so the rows a step trains on —
+    and the sum of gradients over its micro-batches — do not depend on `n`. `n` must divide the
+    rows each device holds.
+    """
+    from zephon.backends.numpy import check_micro_count
+
+    out: list[dict[str, jax.Array]] = []
+    for name, arr in batch.items():
+        shards = _device_blocks(name, arr)
+        rows = shards[0].data.shape[0]
+        n = check_micro_count(n, rows, f"the block of field {name!r} on each device ({rows} "
+                                       f"of {arr.shape[0]} global rows)")
+        out = out or [{} for _ in range(n)]
+        m = rows // n
+        shape = (arr.shape[0] // n,) + tuple(arr.shape[1:])
+        for i in range(n):
+            out[i][name] = jax.make_array_from_single_device_arrays(
+                shape, arr.sharding, [s.data[i * m:(i + 1) * m] for s in shards])
+    return [JaxBatch(o) for o in out]
+
+
+def join_micro_batches(micro: Sequence[Mapping[str, jax.Array]]) -> JaxBatch:
+    """The batch `micro_batches` cut: per device, its micro-batch blocks concatenated in order."""
+    import jax.numpy as jnp
+
+    if not micro:
+        raise PlanError("join_micro_batches needs at least one micro-batch")
+    out: dict[str, jax.Array] = {}
+    for name, first in micro[0].items():
+        per_device: dict[Any, list[Any]] = {}
+        for mb in micro:
+            for s in _device_blocks(name, mb[name]):
+                per_device.setdefault(s.device, []).append(s.data)
+        shape = (first.shape[0] * len(micro),) + tuple(first.shape[1:])
+        out[name] = jax.make_array_from_single_device_arrays(
+            shape, first.sharding, [jnp.concatenate(blocks) if len(blocks) > 1 else blocks[0]
+                                    for blocks in per_device.values()])
+    return JaxBatch(out)
 
 
 class _End:

@@ -27,6 +27,10 @@ Three ways to iterate, from simplest to most torch-shaped:
 Fields torch cannot hold (bytes, strings, ragged lists: numpy object arrays, and datetimes) are
 passed through unchanged as numpy arrays; asking to cast one raises `PlanError`.
 
+Batches are `TorchBatch`es (dicts) with `micro_batches(n)` for gradient accumulation: `n` equal,
+consecutive blocks of this rank's rows (views; a `DTensor` is cut in its local shard), whose
+concatenation is the batch, so changing `n` — also at a resume — changes nothing loaded.
+
 State: `state_dict()` is Zephon's state document itself — the dict `Loader.state()` returns, of
 plain dicts, lists, strings and numbers — so `torch.save` / `torch.load(weights_only=True)` need
 no pickle, every emitter restores it (`Loader.restore`, `JaxLoader.restore`, ...) and
@@ -69,6 +73,50 @@ _TENSOR_DTYPES = frozenset(np.dtype(d) for d in (
 
 
 # --- emitting -----------------------------------------------------------------------------------
+class TorchBatch(dict):
+    """`{field: Tensor}` (numpy arrays for fields torch cannot hold) with `micro_batches(n)`."""
+
+    def micro_batches(self, n: int) -> list["TorchBatch"]:
+        """`n` micro-batches (see `micro_batches`)."""
+        return micro_batches(self, n)
+
+
+def _rows_of(v: Any) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return int(v.to_local().shape[0] if isinstance(v, DTensor) else v.shape[0])
+
+
+def _cut_rows(v: Any, start: int, stop: int) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, DTensor):  # cut the local shard: each rank's i-th block, no communication
+        local = v.to_local()[start:stop]
+        rows = v.shape[0] * (stop - start) // max(1, _rows_of(v))
+        shape = torch.Size((rows, *v.shape[1:]))
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        return DTensor.from_local(local, v.device_mesh, v.placements, run_check=False, shape=shape,
+                                  stride=stride)
+    return v[start:stop]
+
+
+def micro_batches(batch: Mapping[str, Any], n: int) -> list[TorchBatch]:
+    """`n` micro-batches of this rank's rows: equal, consecutive blocks (views, no copy).
+
+    Micro-batch `i` holds rows `[i*R/n, (i+1)*R/n)` of the `R` rows this rank holds (of each
+    `DTensor`'s local shard), so `torch.cat` of the micro-batches is the batch for every `n`.
+    """
+    from zephon.backends.numpy import check_micro_count
+
+    rows = {_rows_of(v) for v in batch.values()}
+    if len(rows) > 1:
+        raise PlanError(f"the batch's fields have different row counts {sorted(rows)}; micro-batches "
+                        "cut every field at the same rows.")
+    n = check_micro_count(n, rows.pop() if rows else 0)
+    m = (_rows_of(next(iter(batch.values()))) // n) if batch else 0
+    return [TorchBatch({k: _cut_rows(v, i * m, (i + 1) * m) for k, v in batch.items()}) for i in range(n)]
+
+
 def torch_dtype(dtype: Any) -> torch.dtype:
     """A `torch.dtype` from a dtype or its name ("bfloat16"), so configs can stay JSON."""
     if isinstance(dtype, torch.dtype):
@@ -135,12 +183,12 @@ class Emitter:
                         "pinned (values are unchanged).")
         return Emitter(casts, pin, None if device is None else torch.device(device))
 
-    def __call__(self, batch: LocalBatch) -> dict[str, torch.Tensor | np.ndarray]:
+    def __call__(self, batch: LocalBatch) -> TorchBatch:
         unknown = sorted(set(self.dtypes) - set(batch.data))
         if unknown:
             raise PlanError(f"dtypes names fields {unknown} that the batch lacks; its fields are "
                             f"{sorted(batch.data)}.")
-        return {k: self._one(v, self.dtypes.get(k)) for k, v in batch.data.items()}
+        return TorchBatch({k: self._one(v, self.dtypes.get(k)) for k, v in batch.data.items()})
 
     def _one(self, array: np.ndarray, dtype: torch.dtype | None) -> torch.Tensor | np.ndarray:
         t = to_tensor(array)
@@ -158,7 +206,7 @@ class Emitter:
 
 
 def emit(batch: LocalBatch, *, dtypes: Mapping[str, Any] | None = None, pin_memory: bool = False,
-         device: str | torch.device | None = None) -> dict[str, torch.Tensor | np.ndarray]:
+         device: str | torch.device | None = None) -> TorchBatch:
     """This process's rows of a global batch as tensors (see `Emitter`)."""
     return Emitter.make(dtypes, pin_memory, device)(batch)
 
@@ -223,7 +271,7 @@ def mesh_data_parallel(mesh: Any, mesh_dims: MeshDims = None) -> tuple[int, int]
     return int(np.ravel_multi_index([coord[d] for d in dims], sizes)), math.prod(sizes)
 
 
-def to_dtensors(tensors: Mapping[str, Any], mesh: Any, mesh_dims: MeshDims = None) -> dict[str, Any]:
+def to_dtensors(tensors: Mapping[str, Any], mesh: Any, mesh_dims: MeshDims = None) -> TorchBatch:
     """Wraps local row blocks as `DTensor`s sharded on dim 0 over `mesh_dims` (others replicate).
 
     Precondition (which `TorchLoader(mesh=...)` guarantees): the rows were loaded with the rank
@@ -244,7 +292,7 @@ def to_dtensors(tensors: Mapping[str, Any], mesh: Any, mesh_dims: MeshDims = Non
         shape = torch.Size((t.shape[0] * world, *t.shape[1:]))
         stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
         out[k] = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
-    return out
+    return TorchBatch(out)
 
 
 # --- state ------------------------------------------------------------------------------------
@@ -519,10 +567,10 @@ class _MarkParts:
             self.user_fn(worker_id)
 
 
-def join_parts(parts: Sequence[WorkerPart], per_lane: int, pin: bool = False) -> dict[str, Any]:
+def join_parts(parts: Sequence[WorkerPart], per_lane: int, pin: bool = False) -> TorchBatch:
     """The rows of all parts, in lane order (one concatenation per field)."""
     if len(parts) == 1 and not pin:
-        return parts[0].data
+        return TorchBatch(parts[0].data)
     lanes = np.concatenate([np.asarray(p.lanes, np.int64) for p in parts])
     order = np.argsort(lanes, kind="stable")
     rows = None
@@ -544,7 +592,7 @@ def join_parts(parts: Sequence[WorkerPart], per_lane: int, pin: bool = False) ->
             if rows is not None:
                 joined = joined[rows]
         out[k] = joined
-    return out
+    return TorchBatch(out)
 
 
 class ZephonDataLoader(DataLoader):
