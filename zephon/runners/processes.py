@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator
 from zephon.errors import WorkerError
 from zephon.runners import errors
 from zephon.runners.base import END, R, T, available_cores, positive
-from zephon.runners.messages import Done, Failed, Request, Run, SetFunction, Stop
+from zephon.runners.messages import Done, Failed, Request, Run, SetFunction, Stop, decode, encode
 from zephon.runners.transport import Slot, SlotPool, fd_socket, recv_fd, send_fd
 from zephon.runners.worker import worker_main
 
@@ -131,7 +131,7 @@ class Processes:
         return self._pool.names()
 
     def _start(self) -> None:
-        ctx = mp.get_context(self.start_method)
+        ctx: Any = mp.get_context(self.start_method)  # the stubs' BaseContext has no Process
         if self.start_method == "forkserver":
             ctx.set_forkserver_preload(["numpy", "zephon.runners"])
         for i in range(self.workers):
@@ -149,7 +149,7 @@ class Processes:
         workers, self._workers = self._workers, []
         for w in workers:
             try:
-                w.conn.send(Stop())
+                w.conn.send(encode(Stop()))
             except (OSError, ValueError):
                 pass
         for w in workers:
@@ -255,7 +255,7 @@ class Processes:
 
     def _send(self, w: _Worker, msg: Request) -> None:
         try:
-            w.conn.send(msg)
+            w.conn.send(encode(msg))
         except (BrokenPipeError, OSError) as e:
             raise self._death(w, "accepting work") from e
 
@@ -268,7 +268,8 @@ class Processes:
             ready = mpc.wait([w.conn] + [x.process.sentinel for x in self._workers], _POLL_SECONDS)
             if w.conn in ready:
                 try:
-                    msg = w.conn.recv()
+                    msg = decode(w.conn.recv())
+                    assert isinstance(msg, (Done, Failed)), msg
                     if isinstance(msg, Done) and msg.created:  # a new segment: its descriptor follows
                         fd = recv_fd(w.sock)
                         w.mapped.add(msg.slot)  # type: ignore[arg-type]

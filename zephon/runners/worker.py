@@ -23,7 +23,7 @@ import threading
 from typing import Any, Callable
 
 from zephon.runners.errors import failure
-from zephon.runners.messages import Failed, Done, Run, SetFunction, Stop
+from zephon.runners.messages import Done, Failed, Run, SetFunction, Stop, decode, encode
 from zephon.runners.transport import fd_socket, map_fd, pack, recv_fd, send_fd
 
 
@@ -39,7 +39,7 @@ def worker_main(conn: mpc.Connection, index: int, consumer: int | None = None) -
     sock = fd_socket(conn)
     while True:
         try:
-            msg = conn.recv()
+            msg = decode(conn.recv())
         except (EOFError, OSError):
             return  # the consumer is gone
         if isinstance(msg, Stop):
@@ -70,7 +70,7 @@ def worker_main(conn: mpc.Connection, index: int, consumer: int | None = None) -
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the consumer
             reply = failure(e)
         try:
-            conn.send(reply)
+            conn.send(encode(reply))
             if fd is not None:
                 send_fd(sock, fd)
         except (BrokenPipeError, OSError):
