@@ -341,3 +341,14 @@ def test_token_mix_without_packing_is_elastic_and_names_records(corpora):
     assert b.refs is not None and set(b.refs.source.tolist()) == {0, 1}
     assert [len(t) for t in b.data["tokens"]] == [len(e.ids) for e in tok.encode_batch(
         [prose[r] if s == 0 else code[r] for s, r in zip(b.refs.source, b.refs.record)], add_special_tokens=False)]
+
+
+@pytest.mark.parametrize("mode", ["concat", "first_fit", "best_fit"])
+def test_a_finite_plan_ends_with_every_token_packed(corpora, mode):
+    """At the end of a finite plan the last partial row and the open rows come out padded."""
+    prose, _, tok = corpora
+    src = ArraySource({"text": objects(prose[:30])})
+    batches = list(Loader(Source(30).shuffle(2).lanes(1).batch(1), src, pipeline(tok, 256, mode=mode)))
+    docs = doc_tokens(tok, prose[:30])
+    check_exactly_once(collect(batches), docs)
+    assert sum(int((b.data["segment_ids"] > 0).sum()) for b in batches) == sum(map(len, docs))

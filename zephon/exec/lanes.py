@@ -306,8 +306,9 @@ class LaneEngine:
                     produced_now = used
                 else:
                     queue = concat_cols([held_cols, new]) if held_cols else new
-                    res = acc.step(carry, held_cols if held_cols else take_rows(new, np.arange(0)),
-                                   new, demand)
+                    # fewer candidates than asked for: the lane's inputs end with these
+                    call = acc.finish if len(rows) < guess else acc.step
+                    res = call(carry, held_cols if held_cols else take_rows(new, np.arange(0)), new, demand)
                     used = int(res.consumed)
                     if not 0 <= used <= len(rows):
                         raise PlanError(f"{acc.op_name}.step consumed {used} of {len(rows)} new inputs")

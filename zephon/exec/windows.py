@@ -94,8 +94,10 @@ class WindowTask:
                                  - np.repeat(np.cumsum(count) - count, count))
         try:
             refs = self.lanes.resolve_lanes(self.owned[lane_rank], index, branch)
-            cols = read_refs(self.sources, refs) if len(refs) else {}
-            cols, src = run_transforms(self.rows, cols, refs, self.seed)
+            if len(refs):
+                cols, src = run_transforms(self.rows, read_refs(self.sources, refs), refs, self.seed)
+            else:  # past a finite lane's end: nothing to read or transform
+                cols, src = {}, np.zeros(0, np.int64)
         except Exception as e:  # noqa: BLE001 - raised in the consumer when the window is needed
             empty = np.zeros(0, np.int64)
             return Window(branch, w, {}, empty, empty, Refs(empty, empty, empty),

@@ -276,6 +276,11 @@ class Accumulator(Operator):
     def step(self, carry: JSON, held: Columns, new: Columns, demand: int) -> Step:
         raise NotImplementedError
 
+    def finish(self, carry: JSON, held: Columns, new: Columns, demand: int) -> Step:
+        """Like `step`, when `new` holds the lane's last inputs (a finite plan ends): emit what
+        the carry still holds if it makes rows. Default: `step`."""
+        return self.step(carry, held, new, demand)
+
     def check_carry(self, carry: JSON, held: Columns) -> None:
         """Raises ValueError naming what is wrong with a restored `carry` for these `held` inputs
         (a hand-edited or foreign state); the loader reports it with the lane. Default: any."""

@@ -141,6 +141,14 @@ class Pack(Accumulator):
 
     # --- the operator ------------------------------------------------------------------------
     def step(self, carry: Any, held: Columns, new: Columns, demand: int) -> Step:
+        return self._step(carry, held, new, demand, final=False)
+
+    def finish(self, carry: Any, held: Columns, new: Columns, demand: int) -> Step:
+        """The lane's inputs ended (a finite plan): the last partial row and every open row are
+        emitted, padded, so no token is lost at the end either."""
+        return self._step(carry, held, new, demand, final=True)
+
+    def _step(self, carry: Any, held: Columns, new: Columns, demand: int, final: bool) -> Step:
         if held and self.field not in held or new and self.field not in new:
             have = sorted(held or new)
             raise PlanError(f"Pack reads token column {self.field!r}, but the rows have {have}; "
@@ -148,12 +156,12 @@ class Pack(Accumulator):
         docs = list(held.get(self.field, ())) + list(new.get(self.field, ()))
         h = len(held.get(self.field, ())) if held else 0
         if self.mode == "concat":
-            rows, consumed, hold, carry = self._concat(carry, docs, h, demand)
+            rows, consumed, hold, carry = self._concat(carry, docs, h, demand, final)
         else:
-            rows, consumed, hold, carry = self._fit(carry, docs, h, demand)
+            rows, consumed, hold, carry = self._fit(carry, docs, h, demand, final)
         return Step(self._emit(docs, rows), consumed, hold, carry, rows)
 
-    def _concat(self, carry: Any, docs: list[np.ndarray], h: int, demand: int
+    def _concat(self, carry: Any, docs: list[np.ndarray], h: int, demand: int, final: bool
                 ) -> tuple[list[list[Segment]], int, list[int], Any]:
         L = self.seq_len
         offset = int(carry["offset"]) if h and carry else 0
@@ -173,6 +181,9 @@ class Pack(Accumulator):
                 cur, room = [], L
             if o >= n:
                 q, o = q + 1, 0
+        if cur and final and len(rows) < demand:  # the end: the last row, padded
+            rows.append(cur)
+            cur = []
         # the documents of an unfinished row are offered again next time, with more after them
         if cur:
             q, o = cur[0][0], cur[0][1]
@@ -181,7 +192,7 @@ class Pack(Accumulator):
             return rows, consumed, [q], {"offset": o}
         return rows, q - h if q >= h else 0, [], None
 
-    def _fit(self, carry: Any, docs: list[np.ndarray], h: int, demand: int
+    def _fit(self, carry: Any, docs: list[np.ndarray], h: int, demand: int, final: bool
              ) -> tuple[list[list[Segment]], int, list[int], Any]:
         L = self.seq_len
         cap = self.max_segments or L
@@ -217,6 +228,9 @@ class Pack(Accumulator):
                 rows.append(bins.pop(i))
                 used.pop(i)
             q, o = q + 1, 0
+        while final and q >= len(docs) and bins and len(rows) < demand:  # the end: open rows out
+            rows.append(bins.pop(0))
+            used.pop(0)
         referenced = sorted({s[0] for b in bins for s in b} | ({q} if o > 0 and q < len(docs) else set()))
         slot = {d: k for k, d in enumerate(referenced)}
         new_carry = {"bins": [[[slot[d], s, e] for d, s, e in b] for b in bins],
