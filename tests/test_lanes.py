@@ -230,3 +230,14 @@ def test_hand_edited_lane_states_are_refused_naming_the_field():
         s = {**good, "lanes": {**good["lanes"], "0": bad}}
         with pytest.raises(StateError, match=msg):
             Loader(plan(), make_source(), [Filter(keep_most, batched=True)]).restore(s)
+
+
+def test_a_lane_whose_filter_never_passes_raises_instead_of_hanging():
+    src = ArraySource({"x": np.arange(10)})
+    l = Loader(Source(10).repeat().lanes(2).batch(4), src, [Filter(even_x, batched=True)])
+    with pytest.raises(PlanError, match="lane 1 read .* inputs .* without one record passing Filter"):
+        next(l)
+
+
+def even_x(cols):
+    return cols["x"] % 2 == 0

@@ -80,6 +80,12 @@ class LaneEngine:
         self._runner = runner
         self._results: Iterator[Window] | None = None
         self._skip_applied = False
+        period = lanes.child.period if self.nb == 1 else None
+        #: inputs of one epoch in a lane, for the never-outputs guard (None: no epochs)
+        self._epoch = None if period is None else -(-period // lanes.count)
+        self._dry_limit = 0 if self._epoch is None else max(64 * self._epoch, 1 << 16)
+        self._dry = np.zeros(len(owned), np.int64)
+        self._seen: set[int] = set()
         self._held: list[tuple[Columns, list[Provenance]]] = []
         if pipeline.acc is not None:
             self._held = rematerialize(self.task, self.states)
@@ -148,6 +154,27 @@ class LaneEngine:
             first = rows[(win.index[rows] == self.states[k].cursor[0]) & (win.sub[rows] < skip[k])]
             win.used[k] += len(first)
 
+    def _check_dry(self, win: Window, got: np.ndarray, wanted: np.ndarray) -> None:
+        """Raises when a lane read 64 epochs of its inputs (at least 65,536) without one output:
+        its filter rejects everything it sees, and waiting would hang the training loop."""
+        if self._epoch is None:
+            return
+        if win.number in self._seen:
+            return
+        self._seen.add(win.number)
+        span = self.task.span(win.number)[1]
+        self._dry = np.where(got | ~wanted, 0, self._dry + span)
+        bad = np.flatnonzero(self._dry > self._dry_limit)
+        if bad.size:
+            lane = int(self.owned[bad[0]])
+            raise PlanError(f"lane {lane} read {int(self._dry[bad[0]])} inputs (an epoch of it holds "
+                            f"{self._epoch}) without one record passing {self._why()}: it will "
+                            "not fill a batch. Check the filter, or deal the data into lanes "
+                            "differently (lanes(L) deals positions l, l+L, ...; shuffle before lanes()).")
+
+    def _why(self) -> str:
+        return ", ".join(t.op_name for t in self.pipeline.rows if not t.one_to_one) or "the pipeline"
+
     def _simple_steps(self) -> None:
         """Assembles as many whole steps as the fetched windows hold (at least one) in one
         vectorised pass, into `self._ready`: per step its columns (views), refs and positions."""
@@ -174,6 +201,7 @@ class LaneEngine:
             win = self.pending[0][wi]
             win.raise_error()
             take = np.minimum(win.bounds[1:] - win.used, need)
+            self._check_dry(win, take > 0, need > 0)
             if take.any():
                 tot = int(take.sum())
                 within = np.arange(tot, dtype=np.int64) - np.repeat(np.cumsum(take) - take, take)
