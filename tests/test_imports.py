@@ -1,0 +1,65 @@
+"""Import contracts: the core runs on numpy alone, and imports point one way (compat -> backends -> core)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BLOCKED = ("jax", "jaxlib", "torch", "grain", "tensorflow_datasets", "tokenizers", "matplotlib",
+           "flax", "optax", "orbax")
+
+SCRIPT = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {BLOCKED!r}:
+            raise ImportError(name + " is made unimportable by this test")
+sys.meta_path.insert(0, Block())
+import numpy as np
+import zephon
+from zephon import Filter, Loader, Source
+from zephon.backends import numpy as npb
+from zephon.sources.memory import ArraySource
+import zephon.cli, zephon.runners, zephon.sources, zephon.verify
+l = Loader(Source(10).shuffle(1).repeat().lanes(2).batch(4), ArraySource({{"x": np.arange(10)}}),
+           [Filter(lambda c: c["x"] % 3 != 0, batched=True, name="not3")])
+b = npb.emit(next(l))
+assert b["x"].shape == (4,) and l.state()["step"] == 1
+print("ok")
+"""
+
+
+def test_core_and_numpy_loader_work_without_jax_torch_grain():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+#: Entry points that sit on top of every layer (the CLI and the pytest-facing test helpers).
+TOP = {"zephon/cli.py", "zephon/testing.py", "zephon/testing_plugin.py", "zephon/pytest_plugin.py"}
+
+
+def test_imports_point_one_way():
+    """The core never imports a backend or compat; a backend never imports compat."""
+    bad = []
+    for folder, forbidden in (("zephon", ("zephon.backends", "zephon.compat", "jax", "torch", "grain")),
+                              ("backends", ("zephon.compat",))):
+        for path in (ROOT / folder).rglob("*.py"):
+            if str(path.relative_to(ROOT)) in TOP:
+                continue
+            for name in imports_of(path):
+                if any(name == f or name.startswith(f + ".") for f in forbidden):
+                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, bad
