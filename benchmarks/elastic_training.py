@@ -17,7 +17,8 @@ same global batch, once for every data-parallel degree D in {1, 2, 4, 8}, with t
                        `map`, packed with `grain.experimental.ConcatThenSplitIterDataset`, batched
                        `B/D`. (Grain's `ElasticIterator` refuses packing, so it is not an option.)
   zephon               `Mix([...], by="tokens").lanes(16).batch(B)` with per-source `Tokenize` and
-                       `Pack(seq_len, "concat")`, through `TorchLoader(rank=r, world=D)`.
+                       `Pack(seq_len, "concat")`, through `zephon.Loader(rank=r, world=D)` (whose
+                       rows `TorchLoader` would hand out as `torch.from_numpy` views).
 
 Data: real text that exists offline everywhere — the Python standard library's own source files —
 and generated English-like prose (`zephon.textdata.generate_corpus`), the prose cut to as many
@@ -47,9 +48,13 @@ ranks. Neither baseline has a loader state that transfers to another D (Grain's 
 iterator states describe shards of another pipeline; DistributedSampler has only an epoch), so
 they resume the common way: the new D = 8 pipeline skips the S global batches already trained on.
 
+Also recorded, for every global batch: the share of its tokens that come from the code corpus
+(`code_share_per_global_batch`: mean and spread over steps per loader and D). Every loader aims at
+50/50; how evenly each batch holds it is what per-rank packing changes with D.
+
 Writes benchmarks/results/elastic_training.json (config, "spread": {loader: max - min final eval
-loss over D}, curves, resume, which global batches equal D = 1's) and elastic_training.png, and
-prints the table.
+loss over D}, curves, resume, which global batches equal D = 1's, batch composition) and
+elastic_training.png, and prints the table.
 """
 
 from __future__ import annotations
@@ -81,9 +86,9 @@ FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
 
 @dataclass(frozen=True)
 class Config:
-    steps: int = 300
+    steps: int = 250
     eval_every: int = 25
-    stop_step: int = 150          # S: stop under D=2, resume under D=8
+    stop_step: int = 125          # S: stop under D=2, resume under D=8
     seq_len: int = 128
     batch: int = 16               # global batch (rows of seq_len tokens)
     lanes: int = 16               # Zephon lanes (any D dividing 16)
@@ -159,30 +164,30 @@ class ConcatSplit:
         self.pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.held = 0
 
-    def add(self, tokens: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, source: int = 0) -> None:
         targets = np.append(tokens[1:], self.pad)
         mask = np.ones(len(tokens), np.int64)
         mask[-1] = 0
-        self.pieces.append((tokens, targets, mask))
+        self.pieces.append((tokens, targets, mask, np.full(len(tokens), source, np.int64)))
         self.held += len(tokens)
 
     def rows(self) -> list[dict[str, np.ndarray]]:
         out = []
         while self.held >= self.seq_len:
-            row = {k: [] for k in FIELDS}
+            row = {k: [] for k in (*FIELDS, "source")}
             need, seg = self.seq_len, 0
             while need:
-                tokens, targets, mask = self.pieces[0]
-                n = min(need, len(tokens))
+                piece = self.pieces[0]
+                n = min(need, len(piece[0]))
                 seg += 1
-                for k, v in (("tokens", tokens), ("targets", targets), ("loss_mask", mask)):
+                for k, v in zip(("tokens", "targets", "loss_mask", "source"), piece):
                     row[k].append(v[:n])
                 row["segment_ids"].append(np.full(n, seg, np.int64))
                 row["positions"].append(np.arange(n, dtype=np.int64))
-                if n == len(tokens):
+                if n == len(piece[0]):
                     self.pieces.pop(0)
                 else:
-                    self.pieces[0] = (tokens[n:], targets[n:], mask[n:])
+                    self.pieces[0] = tuple(v[n:] for v in piece)
                 need -= n
             self.held -= self.seq_len
             out.append({k: np.concatenate(v) for k, v in row.items()})
@@ -225,7 +230,8 @@ def distributed_sampler_rank(d: dict[str, Any], cfg: Config, rank: int, world: i
             while True:
                 sampler.set_epoch(epoch)
                 for i in sampler:
-                    packer.add(np.array(tok.encode(docs[i], add_special_tokens=False).ids + [EOS_ID], np.int64))
+                    packer.add(np.array(tok.encode(docs[i], add_special_tokens=False).ids + [EOS_ID], np.int64),
+                               source=int(i >= len(d["code"])))   # (source only for the statistics)
                     yield from packer.rows()
                 epoch += 1
 
@@ -242,23 +248,25 @@ def grain_rank(d: dict[str, Any], cfg: Config, rank: int, world: int) -> Iterato
     tok = d["tokenizer"]
     shard = grain.sharding.ShardOptions(shard_index=rank, shard_count=world, drop_remainder=True)
 
-    def tokenize(text: str) -> dict[str, np.ndarray]:
+    def tokenize(doc: tuple[str, int]) -> dict[str, np.ndarray]:
+        text, source = doc
         tokens = np.array(tok.encode(text, add_special_tokens=False).ids + [EOS_ID], np.int64)
         mask = np.ones(len(tokens), np.int64)
         mask[-1] = 0
-        return {"tokens": tokens, "targets": np.append(tokens[1:], 0), "loss_mask": mask}
+        return {"tokens": tokens, "targets": np.append(tokens[1:], 0), "loss_mask": mask,
+                "source": np.full(len(tokens), source, np.int64)}   # (source only for the statistics)
 
-    code = grain.MapDataset.source(d["code"]).shuffle(seed=cfg.seed).repeat()
-    prose = grain.MapDataset.source(d["prose"]).shuffle(seed=cfg.seed + 1).repeat()
+    code = grain.MapDataset.source(d["code"]).shuffle(seed=cfg.seed).repeat().map(lambda t: (t, 0))
+    prose = grain.MapDataset.source(d["prose"]).shuffle(seed=cfg.seed + 1).repeat().map(lambda t: (t, 1))
     ds = grain.MapDataset.mix([code, prose], weights=[len(d["code"]), len(d["prose"])])
     # in-memory data: Grain recommends num_threads=0 (no read threads contending for the GIL)
     ds = ds[shard.shard_index::shard.shard_count].map(tokenize)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0))
-    ds = ConcatThenSplitIterDataset(ds, length_struct={k: cfg.seq_len for k in ("tokens", "targets", "loss_mask")})
+    ds = ConcatThenSplitIterDataset(ds, length_struct={k: cfg.seq_len for k in ("tokens", "targets", "loss_mask", "source")})
     ds = ds.batch(cfg.batch // world)
     for b in ds:
         yield {"tokens": b["tokens"], "targets": b["targets"], "loss_mask": b["loss_mask"],
-               "segment_ids": b["tokens_segment_ids"], "positions": b["tokens_positions"]}
+               "segment_ids": b["tokens_segment_ids"], "positions": b["tokens_positions"], "source": b["source"]}
 
 
 def zephon_plan(d: dict[str, Any], cfg: Config):
@@ -269,8 +277,34 @@ def zephon_plan(d: dict[str, Any], cfg: Config):
                  [0.5, 0.5], by="tokens").lanes(cfg.lanes).batch(cfg.batch)
 
 
-def zephon_rank(d: dict[str, Any], cfg: Config, rank: int, world: int):
-    from zephon.backends.torch import TorchLoader
+class ZephonRank:
+    """Rank r's `zephon.Loader`, its local batches as numpy rows (torch.from_numpy of them is what
+    `TorchLoader` hands out) plus each token's source, from the batch's segments."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = next(self.loader)
+        out = dict(batch.data)
+        source = np.zeros(out["tokens"].shape, np.int64)
+        for j, row in enumerate(batch.segments):
+            at = 0
+            for s, _, _, a, b in row:
+                source[j, at:at + b - a] = s
+                at += b - a
+        out["source"] = source
+        return out
+
+    def state_dict(self) -> dict:
+        return self.loader.state()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.restore(state)
+
+
+def zephon_rank(d: dict[str, Any], cfg: Config, rank: int, world: int) -> ZephonRank:
+    import zephon as z
     from zephon.ops.pack import Pack
     from zephon.ops.tokenize import Tokenize
     from zephon.sources.memory import ArraySource
@@ -282,8 +316,8 @@ def zephon_rank(d: dict[str, Any], cfg: Config, rank: int, world: int):
         return ArraySource({"text": a})
 
     tokenize = [Tokenize(d["tokenizer"], eos=EOS_ID)]
-    return TorchLoader(zephon_plan(d, cfg), [texts(d["code"]), texts(d["prose"])], [Pack(cfg.seq_len, "concat")],
-                       per_source={0: tokenize, 1: tokenize}, rank=rank, world=world)
+    return ZephonRank(z.Loader(zephon_plan(d, cfg), [texts(d["code"]), texts(d["prose"])], [Pack(cfg.seq_len, "concat")],
+                               per_source={0: tokenize, 1: tokenize}, rank=rank, world=world))
 
 
 class GlobalBatches:
@@ -302,12 +336,15 @@ class GlobalBatches:
             for r in self.ranks:
                 next(r)
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> tuple[dict[str, Any], float]:
+        """(global batch as int64 tensors, share of its real tokens that come from the code corpus)."""
         import torch
 
         local = [next(r) for r in self.ranks]
-        return {k: torch.cat([torch.as_tensor(np.asarray(b[k]) if not isinstance(b[k], torch.Tensor) else b[k])
-                              for b in local]).long() for k in FIELDS}
+        batch = {k: torch.cat([torch.as_tensor(np.asarray(b[k])) for b in local]).long() for k in FIELDS}
+        source = np.concatenate([np.asarray(b["source"]) for b in local])
+        real = batch["segment_ids"].numpy() > 0
+        return batch, float((source[real] == 0).mean())
 
     def state(self) -> dict[str, Any] | None:
         if self.loader != "zephon":
@@ -420,10 +457,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     batches = GlobalBatches(loader, d, cfg, world, skip=0 if state is not None else start, zephon_state=state)
     evals = [[start, evaluate(model, ev)]]
-    train, digests = [], []
+    train, digests, shares = [], [], []
     for step in range(start, cfg.steps):
-        batch = next(batches)
+        batch, code_share = next(batches)
         digests.append(digest(batch))
+        shares.append(code_share)
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
         opt.zero_grad()
@@ -453,7 +491,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                         "loader": json.dumps(loader_state) if loader_state else ""}, ckpt)
     return {"loader": loader, "world": world, "start": start, "resume": bool(job.get("resume")),
             "per_rank_gradients": bool(job.get("per_rank_gradients")), "eval": evals,
-            "train_loss": train, "digests": digests, "seconds": time.perf_counter() - t0}
+            "train_loss": train, "digests": digests, "code_share": shares, "seconds": time.perf_counter() - t0}
 
 
 # --- the experiment ---------------------------------------------------------------------------------
@@ -495,6 +533,11 @@ def summarize(cfg: Config, corpus: dict, results: list[dict], wall: float) -> di
               for name in LOADERS}
     final = {name: {str(w): main[name, w]["eval"][-1][1] for w in DEGREES} for name in LOADERS}
     spread = {name: max(final[name].values()) - min(final[name].values()) for name in LOADERS}
+    composition = {name: {str(w): {"mean": float(np.mean(main[name, w]["code_share"])),
+                                   "std_over_steps": float(np.std(main[name, w]["code_share"])),
+                                   "min": float(np.min(main[name, w]["code_share"])),
+                                   "max": float(np.max(main[name, w]["code_share"]))} for w in DEGREES}
+                   for name in LOADERS}
     same_batches = {name: {str(w): sum(a == b for a, b in zip(main[name, w]["digests"], main[name, 1]["digests"]))
                            for w in DEGREES} for name in LOADERS}
     resume = {}
@@ -523,6 +566,7 @@ def summarize(cfg: Config, corpus: dict, results: list[dict], wall: float) -> di
            "command": "make experiment  (python benchmarks/elastic_training.py)",
            "config": dataclasses.asdict(cfg), "model_parameters": params, "data": corpus,
            "spread": spread, "final_eval_loss": final, "global_batches_equal_to_D1": same_batches,
+           "code_share_per_global_batch": composition,
            "resume": resume, "ddp_float_order": ddp, "curves": curves, "wall_seconds": round(wall, 1),
            "python": sys.version.split()[0]}
     out["table"] = table(out)
@@ -542,15 +586,17 @@ def fmt(x: float) -> str:
 def table(out: dict[str, Any]) -> str:
     steps = out["config"]["steps"]
     lines = ["| loader | D=1 | D=2 | D=4 | D=8 | spread (max − min) | global batches equal to D=1's "
-             "(of %d) | resume D=2→8 at step %d: max eval-loss diff |" % (steps, out["config"]["stop_step"]),
-             "|---|---|---|---|---|---|---|---|"]
+             "(of %d) | resume D=2→8 at step %d: max eval-loss diff | code share of a batch, std over "
+             "steps, D=1 / 8 |" % (steps, out["config"]["stop_step"]),
+             "|---|---|---|---|---|---|---|---|---|"]
     for name in LOADERS:
         f = out["final_eval_loss"][name]
         same = out["global_batches_equal_to_D1"][name]
         r = out["resume"][name]
         lines.append(f"| {LABELS[name]} | " + " | ".join(f"{f[str(w)]:.4f}" for w in DEGREES) +
                      f" | **{fmt(out['spread'][name])}** | " + " / ".join(f"{same[str(w)]}" for w in DEGREES) +
-                     f" | {fmt(r['max_abs_eval_diff_vs_uninterrupted_D2'])} |")
+                     f" | {fmt(r['max_abs_eval_diff_vs_uninterrupted_D2'])} | " +
+                     " / ".join(f"{out['code_share_per_global_batch'][name][str(w)]['std_over_steps']:.2f}" for w in (1, 8)) + " |")
     return "\n".join(lines)
 
 
@@ -563,6 +609,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(2, len(LOADERS), figsize=(5 * len(LOADERS), 7.5), sharex=True,
                              gridspec_kw={"height_ratios": [2, 1]})
     colors = dict(zip(DEGREES, ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")))
+    widths = dict(zip(DEGREES, (4.0, 3.0, 2.0, 1.2)))
     lo = min(e[1] for c in out["curves"].values() for w in c.values() for e in w["eval"][1:])
     hi = max(e[1] for c in out["curves"].values() for w in c.values() for e in w["eval"][2:])
     dmax = max(abs(e[1] - b[1]) for c in out["curves"].values() for w in c.values()
@@ -572,13 +619,14 @@ def plot(out: dict[str, Any], path: Path) -> None:
         ref = dict(map(tuple, out["curves"][name]["1"]["eval"]))
         for w in DEGREES:
             ev = np.array(out["curves"][name][str(w)]["eval"])
-            top.plot(ev[:, 0], ev[:, 1], color=colors[w], lw=1.5, label=f"D={w}")
-            bottom.plot(ev[:, 0], ev[:, 1] - [ref[s] for s in ev[:, 0]], color=colors[w], lw=1.5)
+            lw = widths[w]   # wider first: curves that coincide stay visible
+            top.plot(ev[:, 0], ev[:, 1], color=colors[w], lw=lw, label=f"D={w}")
+            bottom.plot(ev[:, 0], ev[:, 1] - [ref[s] for s in ev[:, 0]], color=colors[w], lw=lw)
         r = out["resume"][name]
         ev = np.array(r["eval"])
         top.plot(ev[:, 0], ev[:, 1], "k--", lw=1.2, label=f"D=2, resumed at {r['stop_step']} on D=8")
         bottom.plot(ev[:, 0], ev[:, 1] - [ref[s] for s in ev[:, 0]], "k--", lw=1.2)
-        top.set_title(f"{LABELS[name]}\nspread of final eval loss over D: {out['spread'][name]:.4f}", fontsize=10)
+        top.set_title(f"{LABELS[name]}\nspread of final eval loss over D: {fmt(out['spread'][name])}", fontsize=10)
         top.set_ylim(lo - 0.05 * (hi - lo), hi)
         top.grid(alpha=0.3)
         bottom.set_ylim(-dmax, dmax)
