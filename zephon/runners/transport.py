@@ -202,7 +202,7 @@ class SlotPool:
         self._slots: dict[str, Slot] = {}
         self._free: list[Slot] = []
         self._returned: deque[Slot] = deque()  # appended by finalizers (atomic)
-        self._needed = 0                        # largest slot a result needed, in bytes
+        self._needed = 0                        # largest result a slot had to hold, in bytes
         self._counter = itertools.count()
         self.retired: list[str] = []            # destroyed slots workers should unmap
 
@@ -229,7 +229,10 @@ class SlotPool:
             raise
         slot = Slot(name, size, mm, fd)
         self._slots[name] = slot
-        self._needed = max(self._needed, size)
+        # what the result needed, without the headroom `slot_size` added: a slot keeps being
+        # reused while it holds the largest result seen, instead of being replaced whenever a
+        # window a few bytes larger arrives (filter windows vary by ~1 %)
+        self._needed = max(self._needed, size * 8 // 9)
         log.debug("adopted shared-memory slot %s (%d bytes; %d slots)", name, size, len(self._slots))
         return slot
 
