@@ -121,16 +121,25 @@ class LaneEngine:
     def _pull(self, branch: int) -> None:
         """Receives windows until one of `branch` arrives (others are kept for later)."""
         if self._results is None:
+            # the first window of every branch is computed here, while the runner's workers
+            # start: the first batch comes as fast as one window can be read
+            for b in range(self.nb):
+                self._receive(self.task((b, 0)))
+                self.issued[b] = 1
             items = self._items()
             self._results = (map(self.task, items) if self._runner is None
                              else iter(self._runner.imap(self.task, items)))
+            return
         while True:
             self.want[branch] += 1
             win = next(self._results)
-            win.used = win.bounds[:-1].copy()
-            self.pending[win.branch].append(win)
+            self._receive(win)
             if win.branch == branch:
                 return
+
+    def _receive(self, win: Window) -> None:
+        win.used = win.bounds[:-1].copy()
+        self.pending[win.branch].append(win)
 
     def close(self) -> None:
         results, self._results = self._results, None
