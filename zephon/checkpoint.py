@@ -161,6 +161,9 @@ def _what_binary(data: bytes) -> str | None:
         proto = data[1] if len(data) > 1 else "?"
         return (f"a Python pickle (protocol {proto}), not a Zephon JSON state. Zephon never "
                 "unpickles a checkpoint (unpickling can run arbitrary code)")
+    if data[:1] in (b"(", b"}", b"]") and data.rstrip().endswith(b"."):
+        return ("a Python pickle (protocol 0 or 1), not a Zephon JSON state. Zephon never "
+                "unpickles a checkpoint (unpickling can run arbitrary code)")
     if data[:4] == b"PK\x03\x04":
         return ("a zip archive (torch.save's format), not a Zephon JSON state. Load it with "
                 "torch.load(path, weights_only=True) and pass the loader's part to "
