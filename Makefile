@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e '.[test,orbax,lm,examples]'
+	$(PIP) install --quiet -c constraints.txt -e '.[all,test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
