@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -113,3 +113,280 @@ def run_fingerprints(batches_per_rank: Sequence[Iterable[LocalBatch]], steps: in
             digests.update(lane_digests(next(it)))
         out.append(step_fingerprint(digests))
     return out
+
+
+# --- lane records: what a configuration run keeps of every step -------------------------------
+
+def _field_desc(arr: np.ndarray) -> str:
+    """dtype and per-row shape, e.g. 'int32(256,)'."""
+    return f"{arr.dtype}{tuple(arr.shape[1:])}"
+
+
+def row_digests(arr: np.ndarray) -> list[str]:
+    """A short digest of every row of `arr` (its bytes; object rows value by value)."""
+    arr = np.asarray(arr)
+    out = []
+    if arr.dtype == object:
+        for row in arr:
+            h = hashlib.blake2b(digest_size=8)
+            for v in np.asarray(row, dtype=object).ravel() if isinstance(row, np.ndarray) else [row]:
+                b = v if isinstance(v, (bytes, bytearray)) else np.asarray(v).tobytes() if isinstance(
+                    v, np.ndarray) else repr(v).encode()
+                h.update(len(b).to_bytes(8, "little"))
+                h.update(b)
+            out.append(h.hexdigest())
+        return out
+    flat = np.ascontiguousarray(arr).reshape(len(arr), -1).view(np.uint8) if arr.size else None
+    for j in range(len(arr)):
+        out.append(hashlib.blake2b(flat[j].tobytes() if flat is not None else b"",
+                                   digest_size=8).hexdigest())
+    return out
+
+
+@dataclass(frozen=True)
+class LaneRecord:
+    """One lane's rows of one step: its lane digest and, per field, dtype/shape and row digests."""
+
+    digest: str
+    fields: Mapping[str, tuple[str, tuple[str, ...]]]
+
+    @property
+    def rows(self) -> int:
+        return max((len(r) for _, r in self.fields.values()), default=0)
+
+    def to_json(self) -> list[Any]:
+        return [self.digest, {k: [d, list(r)] for k, (d, r) in self.fields.items()}]
+
+    @staticmethod
+    def from_json(obj: Sequence[Any]) -> "LaneRecord":
+        return LaneRecord(obj[0], {k: (d, tuple(r)) for k, (d, r) in obj[1].items()})
+
+
+StepRecord = dict[int, LaneRecord]
+
+
+def lane_records(lanes: Sequence[int], cols: Columns) -> StepRecord:
+    """Records of every lane in `lanes` from their rows `cols` (lane-major, equal rows per lane)."""
+    lanes = [int(l) for l in lanes]
+    if not lanes:
+        return {}
+    n = len(next(iter(cols.values()))) if cols else 0
+    per = n // len(lanes)
+    out: StepRecord = {}
+    for i, lane in enumerate(lanes):
+        rows = {k: np.asarray(v)[i * per:(i + 1) * per] for k, v in cols.items()}
+        out[lane] = LaneRecord(lane_digest(rows), {k: (_field_desc(v), tuple(row_digests(v)))
+                                                   for k, v in rows.items()})
+    return out
+
+
+def record_fingerprint(step: StepRecord) -> str:
+    """The step fingerprint of a step's lane records (equal to `step_fingerprint` of its digests)."""
+    return step_fingerprint({l: r.digest for l, r in step.items()})
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a run first differs from the reference: step, lane, global row, field and why."""
+
+    step: int
+    lane: int | None = None
+    row: int | None = None
+    field: str | None = None
+    detail: str = ""
+    expected: str | None = None   # `explain` of the reference's row
+    got: str | None = None        # `explain` of the run's row, when its emitter has provenance
+
+    def where(self) -> str:
+        parts = [f"step {self.step}"]
+        if self.lane is not None:
+            parts.append(f"lane {self.lane}")
+        if self.row is not None:
+            parts.append(f"row {self.row}")
+        if self.field is not None:
+            parts.append(f"field {self.field!r}")
+        return ", ".join(parts)
+
+    def __str__(self) -> str:
+        out = f"first difference at {self.where()}" + (f": {self.detail}" if self.detail else "")
+        if self.expected:
+            out += f"\n    reference row: {self.expected}"
+        if self.got:
+            out += f"\n    this run's row: {self.got}"
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "lane": self.lane, "row": self.row, "field": self.field,
+                "detail": self.detail, "expected": self.expected, "got": self.got}
+
+
+def compare_steps(ref: StepRecord, got: StepRecord, ignore: frozenset[str] = frozenset()
+                  ) -> tuple[int | None, int | None, str | None, str] | None:
+    """(lane, row within lane, field, detail) of the first difference of one step, or None."""
+    if set(ref) != set(got):
+        odd = sorted(set(ref) ^ set(got))
+        return (odd[0], None, None, f"lane {odd[0]} is in only one run (reference lanes "
+                f"{_span(sorted(ref))}, this run {_span(sorted(got))}): another lane count")
+    for lane in sorted(ref):
+        a, b = ref[lane], got[lane]
+        if a.digest == b.digest and not ignore:
+            continue
+        for name in sorted(set(a.fields) | set(b.fields)):
+            if name in ignore:
+                continue
+            if name not in a.fields or name not in b.fields:
+                return lane, None, name, ("field missing in this run" if name in a.fields
+                                          else "field only in this run")
+            (da, ra), (db, rb) = a.fields[name], b.fields[name]
+            if da != db or len(ra) != len(rb):
+                return lane, 0, name, f"dtype/shape {da} x {len(ra)} rows in the reference, {db} x {len(rb)} here"
+            for j, (x, y) in enumerate(zip(ra, rb)):
+                if x != y:
+                    return lane, j, name, "values differ"
+    return None
+
+
+def _span(lanes: Sequence[int]) -> str:
+    if lanes and list(lanes) == list(range(lanes[0], lanes[-1] + 1)) and len(lanes) > 3:
+        return f"{lanes[0]}..{lanes[-1]}"
+    return str(list(lanes))
+
+
+def describe_row(entry: Mapping[str, Any]) -> str:
+    """One line of `LocalBatch.explain()` for a report: lane and source/record/epoch, or the
+    pieces (source, record, epoch, token range) a packed row holds."""
+    head = f"lane {entry.get('lane')}"
+    if "segments" in entry:
+        segs = entry["segments"]
+        shown = "; ".join(f"source {s['source']} record {s['record']} epoch {s['epoch']} tokens "
+                          f"{s['tokens'][0]}:{s['tokens'][1]}" for s in segs[:4])
+        more = f"; ... {len(segs) - 4} more" if len(segs) > 4 else ""
+        return f"{head}, {len(segs)} piece(s): {shown}{more}"
+    if "record" in entry:
+        return f"{head}, source {entry['source']} record {entry['record']} epoch {entry['epoch']}"
+    return head
+
+
+# --- the report of a configuration matrix -------------------------------------------------------
+
+@dataclass
+class RunResult:
+    """One configuration's outcome against the reference."""
+
+    name: str
+    status: str                      # "identical" | "differs" | "error" | "n/a"
+    steps: int = 0
+    fingerprints: list[str] | None = None
+    matches: list[bool] | None = None
+    divergence: Divergence | None = None
+    note: str = ""
+    seconds: float = 0.0
+    detail: str = ""                 # e.g. where an error was raised (JSON report only)
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("identical", "n/a")
+
+    def verdict(self) -> str:
+        if self.status == "identical":
+            return "identical" + (f" ({self.note})" if self.note else "")
+        if self.status == "n/a":
+            return f"n/a: {self.note}"
+        if self.status == "error":
+            first = self.note.splitlines()[0] if self.note else ""
+            return f"ERROR: {first[:300]}{'...' if len(first) > 300 else ''}"
+        d = self.divergence
+        return f"DIFFERS at {d.where()}" if d else "DIFFERS"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "steps": self.steps,
+                "seconds": round(self.seconds, 2), "note": self.note, "detail": self.detail,
+                "last_fingerprint": self.fingerprints[-1] if self.fingerprints else None,
+                "fingerprints": self.fingerprints,
+                "matches": self.matches,
+                "divergence": None if self.divergence is None else self.divergence.to_json()}
+
+
+@dataclass
+class Report:
+    """The matrix of one pipeline: the reference run and every configuration's result."""
+
+    pipeline: str
+    steps: int
+    results: list[RunResult]
+    plan_fingerprint: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    def summary(self) -> str:
+        """`N configurations, M steps, all identical`, or what differs first."""
+        ran = [r for r in self.results if r.status != "n/a"]
+        na = len(self.results) - len(ran)
+        tail = f" ({na} not applicable)" if na else ""
+        head = f"{self.pipeline}: {len(ran)} configurations, {self.steps} steps"
+        bad = [r for r in ran if not r.ok]
+        if not bad:
+            return f"{head}, all identical{tail}"
+        differ = sum(r.status == "differs" for r in bad)
+        errors = len(bad) - differ
+        counts = ", ".join(x for x in (f"{differ} differ{'s' if differ == 1 else ''}" if differ else "",
+                                       f"{errors} failed" if errors else "") if x)
+        first = bad[0]
+        what = (f"at {first.divergence.where()}" if first.divergence else
+                f"with {first.note.splitlines()[0][:160]}" if first.note else "")
+        return f"{head}: {counts} — first: {first.name!r} {what}{tail}"
+
+    def table(self) -> str:
+        width = max([len(r.name) for r in self.results] + [13])
+        lines = [f"{'configuration':<{width}}  {'steps':>5}  {'last fingerprint':<16}  {'time':>6}  result"]
+        for r in self.results:
+            fp = (r.fingerprints[-1][:16] if r.fingerprints else "-")
+            lines.append(f"{r.name:<{width}}  {r.steps:>5}  {fp:<16}  {r.seconds:>5.1f}s  {r.verdict()}")
+            if r.divergence is not None:
+                lines += ["      " + l for l in str(r.divergence).splitlines()]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        import zephon
+
+        return {"zephon_verify": 1, "zephon_version": zephon.__version__, "pipeline": self.pipeline,
+                "plan_fingerprint": self.plan_fingerprint, "steps": self.steps,
+                "seconds": round(self.seconds, 1), "ok": self.ok, "summary": self.summary(),
+                "configurations": [r.to_json() for r in self.results]}
+
+
+def write_heatmap(reports: Sequence[Report], path: str) -> None:
+    """A PNG: one row per configuration, one column per step; green identical, red different,
+    grey not run (n/a, or after an error)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    rows, labels = [], []
+    steps = max((r.steps for r in reports), default=1) or 1
+    for rep in reports:
+        for res in rep.results:
+            line = np.full(steps, 2, np.int8)  # grey
+            if res.matches:
+                line[:len(res.matches)] = np.where(res.matches, 0, 1)
+            rows.append(line)
+            labels.append(f"{rep.pipeline} | {res.name}" if len(reports) > 1 else res.name)
+    grid = np.array(rows) if rows else np.zeros((1, steps), np.int8)
+    fig, ax = plt.subplots(figsize=(min(16, 4 + steps * 0.08), 1.2 + 0.22 * len(grid)))
+    ax.imshow(grid, aspect="auto", interpolation="nearest",
+              cmap=ListedColormap(["#3a9d4a", "#d62728", "#c8c8c8"]), vmin=0, vmax=2)
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_xlabel("global step")
+    ok = all(r.ok for r in reports)
+    ax.set_title("zephon verify: " + ("every configuration identical to the reference" if ok
+                                      else "configurations that differ from the reference (red)"),
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
