@@ -37,7 +37,6 @@ configurations that use them.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
 import importlib.util
@@ -172,6 +171,43 @@ class IndexSource:
 Factory = Callable[..., Any] | str | Pipeline
 
 
+def load_plan(text_or_path: str) -> Batch:
+    """A plan from its JSON (a file or the text), Grain-compatible plans included."""
+    path = Path(text_or_path)
+    if text_or_path.lstrip().startswith("{"):
+        text = text_or_path
+    elif path.is_file():
+        text = path.read_text()
+    else:
+        raise FactoryError(f"no such file: {text_or_path}; pass a plan's JSON file (plan.canonical_json() "
+                           "written to a file) or MODULE:FACTORY.")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FactoryError(f"{text_or_path} is not JSON ({e.msg} at line {e.lineno}); pass the file "
+                           "plan.canonical_json() wrote.") from None
+    if isinstance(obj, dict) and "zephon_state" in obj and isinstance(obj.get("plan"), dict):
+        obj = obj["plan"]  # a loader state holds its plan
+    if not isinstance(obj, dict) or "type" not in obj:
+        raise FactoryError(f"{text_or_path} holds JSON but not a plan (no 'type' at its top); pass "
+                           "the file plan.canonical_json() (or save_state) wrote.")
+    try:
+        try:
+            plan = Node.from_json(obj)
+        except PlanError as e:
+            if "unknown plan node type" not in str(e):
+                raise
+            import zephon.compat.grain  # noqa: F401 - registers Grain-order plan nodes
+
+            plan = Node.from_json(obj)
+    except (TypeError, KeyError, ValueError) as e:
+        raise FactoryError(f"{text_or_path} is not a valid plan: {e}") from None
+    if not isinstance(plan, Batch):
+        raise FactoryError(f"the plan in {text_or_path} is a {type(plan).__name__}, not a complete plan; "
+                           "its root must be a Batch (stream.lanes(L).batch(B)).")
+    return plan
+
+
 def load_factory(spec: str) -> Callable[..., Any]:
     """`"package.module:function"` or `"path/to/file.py:function"` -> the function."""
     if ":" not in spec or spec.endswith(":"):
@@ -244,15 +280,21 @@ class Builder:
     def __init__(self, factory: Factory) -> None:
         self.factory = factory
         self.fn: Callable[..., Any] | None = None
-        if isinstance(factory, str):
+        if isinstance(factory, str) and factory.endswith(".json") and ":" not in factory.replace("\\", "/").split("/")[-1]:
+            self.fixed = Pipeline.from_plan(load_plan(factory))
+            self.spec = factory
+        elif isinstance(factory, str):
             self.fn = load_factory(factory)
         elif callable(factory) and not isinstance(factory, Pipeline):
             self.fn = factory
         elif not isinstance(factory, Pipeline):
             self.fixed = Pipeline.of(factory, "the pipeline")
-        self.spec = factory_spec(factory) if self.fn is not None else None
+        if self.fn is not None:
+            self.spec = factory_spec(factory)
+        elif not hasattr(self, "spec"):
+            self.spec = None
         self.name = (self.spec.rpartition(":")[2] if self.spec else getattr(self.fn, "__name__", "pipeline")
-                     ) if self.fn is not None else "pipeline"
+                     ) if self.fn is not None else (Path(self.spec).name if self.spec else "pipeline")
         self.takes_world = self.fn is not None and _accepts(self.fn, "world")
         self.takes_rank = self.fn is not None and _accepts(self.fn, "rank")
         if isinstance(factory, Pipeline):
@@ -753,12 +795,29 @@ class _NotApplicable(Exception):
 
 
 def _session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.dtype]) -> _Session:
+    """The emitter of `seg` over all its ranks. A PlanError while building it (the pipeline built
+    fine for the reference) means this emitter cannot take the pipeline: n/a, with the reason."""
     pipes = [builder(seg.degree, r) for r in range(seg.degree if builder.takes_rank else 1)]
+    try:
+        return _make_session(builder, pipes, seg, ref_dtypes)
+    except PlanError as e:
+        raise _NotApplicable(str(e)) from e
+
+
+def _make_session(builder: Builder, pipes: list[Pipeline], seg: Segment,
+                  ref_dtypes: Mapping[str, np.dtype]) -> _Session:
     why = _check_degree(pipes[0], seg.degree)
     if why:
         raise _NotApplicable(why)
     if not builder.takes_rank:
         pipes = pipes * seg.degree
+    if seg.micro > 1:
+        plan = pipes[0].plan
+        shards = math.prod(seg.mesh or (8,)) if seg.backend == "jax" else seg.degree
+        held = plan.size // shards
+        if plan.size % shards == 0 and held % seg.micro:
+            raise _NotApplicable(f"micro={seg.micro} does not divide the {held} rows each "
+                                 f"{'device' if seg.backend == 'jax' else 'rank'} holds")
     if seg.backend in ("jax", "torch"):
         why = pipes[0].backend_refusal()
         if why:
@@ -845,6 +904,9 @@ def _run_processes(builder: Builder, seg: Segment, start: int, stop: int, state:
                     p.kill()
                     p.wait()
         results = [json.loads(Path(o).read_text()) for o in outs]
+    for r in results:
+        if "not_applicable" in r:
+            raise _NotApplicable(r["not_applicable"])
     records: list[StepRecord] = []
     for k in range(stop - start):
         merged: StepRecord = {}
@@ -1133,7 +1195,11 @@ def _worker(args: dict[str, Any]) -> None:
                                    num_processes=procs, process_id=i)
         try:
             pipe = builder(procs, i)
-            sess = _JaxSession(pipe, replace(seg, procs=1), ref_dtypes)
+            try:
+                sess = _JaxSession(pipe, replace(seg, procs=1), ref_dtypes)
+            except (PlanError, _NotApplicable) as e:
+                Path(args["out"]).write_text(json.dumps({"not_applicable": str(e)}))
+                return
             excluded = sess.excluded
             if restore is not None:
                 sess.restore(restore)
@@ -1156,8 +1222,15 @@ def _worker(args: dict[str, Any]) -> None:
                                 world_size=procs, timeout=datetime.timedelta(seconds=120))
         try:
             pipe = builder(procs, i)
-            loader = TorchLoader(pipe.plan, pipe.sources, tuple(pipe.transforms),
-                                 runner=_runner(seg.runner), **pipe.backend_kwargs())  # rank/world: gloo's
+            try:
+                why = _check_degree(pipe, procs) or pipe.backend_refusal()
+                if why:
+                    raise _NotApplicable(why)
+                loader = TorchLoader(pipe.plan, pipe.sources, tuple(pipe.transforms),
+                                     runner=_runner(seg.runner), **pipe.backend_kwargs())  # rank/world: gloo's
+            except (PlanError, _NotApplicable) as e:
+                Path(args["out"]).write_text(json.dumps({"not_applicable": str(e)}))
+                return
             if restore is not None:
                 loader.load_state_dict(_torch_round_trip(restore))
             owned = pipe.plan.lanes.owned(loader.rank, loader.world)

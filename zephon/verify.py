@@ -359,34 +359,43 @@ class Report:
 
 
 def write_heatmap(reports: Sequence[Report], path: str) -> None:
-    """A PNG: one row per configuration, one column per step; green identical, red different,
-    grey not run (n/a, or after an error)."""
+    """A PNG: one row per configuration, one block of columns (its steps) per pipeline; green
+    where a step is identical to the reference, red where it differs, orange for a configuration
+    that failed, grey where it does not apply."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
-    rows, labels = [], []
-    steps = max((r.steps for r in reports), default=1) or 1
+    names: list[str] = []
     for rep in reports:
+        names += [r.name for r in rep.results if r.name not in names]
+    gap = 2
+    widths = [max(rep.steps, 1) for rep in reports]
+    grid = np.full((max(len(names), 1), sum(widths) + gap * (len(reports) - 1)), 4, np.int8)  # white
+    col = 0
+    for rep, w in zip(reports, widths):
         for res in rep.results:
-            line = np.full(steps, 2, np.int8)  # grey
+            i = names.index(res.name)
+            line = np.full(w, {"n/a": 3, "error": 2}.get(res.status, 3), np.int8)
             if res.matches:
                 line[:len(res.matches)] = np.where(res.matches, 0, 1)
-            rows.append(line)
-            labels.append(f"{rep.pipeline} | {res.name}" if len(reports) > 1 else res.name)
-    grid = np.array(rows) if rows else np.zeros((1, steps), np.int8)
-    fig, ax = plt.subplots(figsize=(min(16, 4 + steps * 0.08), 1.2 + 0.22 * len(grid)))
-    ax.imshow(grid, aspect="auto", interpolation="nearest",
-              cmap=ListedColormap(["#3a9d4a", "#d62728", "#c8c8c8"]), vmin=0, vmax=2)
-    ax.set_yticks(range(len(labels)))
-    ax.set_yticklabels(labels, fontsize=7)
-    ax.set_xlabel("global step")
+            grid[i, col:col + w] = line
+        col += w + gap
+    fig_w = min(18.0, max(8.0, 3.5 + 0.05 * grid.shape[1]))
+    fig, ax = plt.subplots(figsize=(fig_w, 1.4 + 0.2 * len(names)))
+    ax.imshow(grid, aspect="auto", interpolation="nearest", vmin=0, vmax=4,
+              cmap=ListedColormap(["#3a9d4a", "#d62728", "#ff9f1c", "#c8c8c8", "#ffffff"]))
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=7)
+    starts = np.cumsum([0] + [w + gap for w in widths[:-1]])
+    ax.set_xticks([a + w / 2 - 0.5 for a, w in zip(starts, widths)])
+    ax.set_xticklabels([f"{rep.pipeline}\n(steps 0..{rep.steps - 1})" for rep in reports], fontsize=8)
     ok = all(r.ok for r in reports)
-    ax.set_title("zephon verify: " + ("every configuration identical to the reference" if ok
-                                      else "configurations that differ from the reference (red)"),
-                 fontsize=9)
+    ax.set_title("zephon verify vs the reference (numpy, D=1): " + ("all identical" if ok else
+                 "red = step differs, orange = failed") + ("; grey = n/a" if (grid == 3).any() else ""),
+                 fontsize=9, loc="left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
