@@ -1426,8 +1426,9 @@ class Iterator(grain.DatasetIterator):
 
     It is a `grain.DatasetIterator`, so Grain's Orbax `CheckpointHandler`
     (`grain.checkpoint.CheckpointSave/CheckpointRestore`) and Orbax's StatefulCheckpointable API
-    save and restore it like any Grain iterator. The state is Zephon's JSON loader state (plan
-    fingerprint, step, lane cursors); unbatched iteration adds the offset inside a step.
+    save and restore it like any Grain iterator. The state is Zephon's one JSON state document
+    (plan fingerprint, step, lane cursors) that every emitter reads and writes; unbatched
+    iteration adds `elements_taken`, the offset inside a step.
     """
 
     def __init__(self, loader: Loader, *, batched: bool = True) -> None:
@@ -1461,20 +1462,37 @@ class Iterator(grain.DatasetIterator):
         return self.loader.step
 
     def get_state(self) -> dict[str, Any]:
+        """Zephon's state document (the one `Loader.state()`, `state_dict()` and
+        `JaxLoader.state()` return; any of them restores it). Unbatched iteration stopped inside
+        a step adds `"elements_taken"`: the step's elements already returned."""
         if not self.batched and self._taken < len(self._rows):
-            return {"loader": self.loader.state_from(self._before), "skip": self._taken}
-        return {"loader": self.loader.state(), "skip": 0}
+            return {**self.loader.state_from(self._before), "elements_taken": self._taken}
+        return self.loader.state()
 
     def set_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, Mapping) or "loader" not in state:
-            raise StateError("not a zephon.compat.grain iterator state (expected {'loader': ..., "
-                             "'skip': ...}); pass what get_state() returned.")
-        self.loader.restore(state["loader"])
+        """Continues from a state document of any Zephon emitter (or this iterator's)."""
+        if isinstance(state, Mapping) and "loader" in state and "zephon_state" not in state:
+            state = {**state["loader"], "elements_taken": state.get("skip", 0)}  # before 0.2
+        if not isinstance(state, Mapping):
+            raise StateError(f"set_state needs the state document get_state() returned (a dict), "
+                             f"got {type(state).__name__}")
+        skip = state.get("elements_taken", 0)
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise StateError(f"the state's 'elements_taken' is {skip!r}; expected a non-negative "
+                             "integer (elements of the step already returned). The state was edited.")
+        self.loader.restore(state)
         self._rows, self._taken = [], 0
-        skip = int(state.get("skip", 0))
         if skip:
+            if self.batched:
+                raise StateError("this state stopped inside a step (elements_taken="
+                                 f"{skip}) of an unbatched iterator; a batched one resumes at step "
+                                 "boundaries only. Restore it with an unbatched iterator.")
             self._before = self.loader.position()
             self._rows = self.emit(next(self.loader), batched=False)
+            if skip > len(self._rows):
+                raise StateError(f"the state's 'elements_taken' is {skip}, but step "
+                                 f"{self._before['step']} has {len(self._rows)} elements here; "
+                                 "the state was edited or belongs to another pipeline.")
             self._taken = skip
 
     def close(self) -> None:
@@ -1493,14 +1511,17 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     if not states:
         raise StateError("merge_states needs at least one iterator state")
+    docs = []
     for s in states:
-        if not isinstance(s, Mapping) or "loader" not in s:
-            raise StateError("not a zephon.compat.grain iterator state (expected {'loader': ..., "
-                             "'skip': ...}); pass what get_state() returned.")
-        if int(s.get("skip", 0)):
-            raise StateError("cannot merge states taken inside a batch (unbatched iteration, "
-                             "skip > 0); take them at a step boundary.")
-    return {"loader": merge_loader_states([s["loader"] for s in states]), "skip": 0}
+        if isinstance(s, Mapping) and "loader" in s and "zephon_state" not in s:  # before 0.2
+            s = {**s["loader"], "elements_taken": s.get("skip", 0)}
+        if not isinstance(s, Mapping) or "zephon_state" not in s:
+            raise StateError("not a Zephon state document; pass what get_state() returned.")
+        if s.get("elements_taken", 0):
+            raise StateError("cannot merge states taken inside a step (unbatched iteration, "
+                             "elements_taken > 0); take them at a step boundary.")
+        docs.append({k: v for k, v in s.items() if k != "elements_taken"})
+    return merge_loader_states(docs)
 
 
 # --- DataLoader + IndexSampler -------------------------------------------------------------------

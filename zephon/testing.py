@@ -219,21 +219,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
         if not path.is_file():
             raise FactoryError(f"no such file: {target} (the part of {spec!r} before ':'); check "
                                "the path, relative to the current directory.")
-        mod_name = f"zephon_user_{abs(hash(str(path.resolve()))):x}"
-        if mod_name in sys.modules:
-            module = sys.modules[mod_name]
-        else:
-            parent = str(path.resolve().parent)
-            if parent not in sys.path:
-                sys.path.insert(0, parent)  # its own imports of sibling modules
-            loader_spec = importlib.util.spec_from_file_location(mod_name, path)
-            module = importlib.util.module_from_spec(loader_spec)  # type: ignore[arg-type]
-            sys.modules[mod_name] = module
-            try:
-                loader_spec.loader.exec_module(module)  # type: ignore[union-attr]
-            except BaseException:
-                del sys.modules[mod_name]
-                raise
+        module = _import_file(path)
     else:
         try:
             module = importlib.import_module(target)
@@ -251,6 +237,32 @@ def load_factory(spec: str) -> Callable[..., Any]:
     if not callable(obj):
         raise FactoryError(f"{spec} is a {type(obj).__name__}, not a function that builds the pipeline.")
     return obj
+
+
+def _import_file(path: Path) -> Any:
+    """Imports `path` as the module named by its stem, with its directory on sys.path (also for
+    the processes runner's and DataLoader's workers, which unpickle operators by module name)."""
+    path = path.resolve()
+    parent, stem = str(path.parent), path.stem
+    if parent not in sys.path:
+        sys.path.insert(0, parent)
+        os.environ["PYTHONPATH"] = os.pathsep.join([parent] + [p for p in os.environ.get(
+            "PYTHONPATH", "").split(os.pathsep) if p])
+    known = sys.modules.get(stem)
+    if stem.isidentifier() and (known is None or Path(getattr(known, "__file__", "") or "").resolve() == path):
+        return importlib.import_module(stem)
+    name = f"zephon_user_{stem}_{abs(hash(str(path))):x}"  # the stem names another module
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def factory_spec(factory: Factory) -> str | None:
@@ -816,7 +828,7 @@ def _make_session(builder: Builder, pipes: list[Pipeline], seg: Segment,
         shards = math.prod(seg.mesh or (8,)) if seg.backend == "jax" else seg.degree
         held = plan.size // shards
         if plan.size % shards == 0 and held % seg.micro:
-            raise _NotApplicable(f"micro={seg.micro} does not divide the {held} rows each "
+            raise _NotApplicable(f"micro={seg.micro} does not divide the {held} row(s) each "
                                  f"{'device' if seg.backend == 'jax' else 'rank'} holds")
     if seg.backend in ("jax", "torch"):
         why = pipes[0].backend_refusal()
