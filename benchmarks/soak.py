@@ -63,8 +63,9 @@ RESULTS = os.path.join(HERE, "results")
 LANES, BATCH, SEQ = 8, 16, 256
 WEIGHTS = (0.7, 0.3)
 DEGREES = (1, 2, 4)
-SAVE_EVERY = (10, 70)   # steps between merged checkpoints; half of them also stop and resume at another D
-KILL_EVERY = (30, 120)  # steps between worker SIGKILLs (counted from the last resume)
+SAVE_EVERY = (10, 50)   # steps between merged checkpoints; 60% of those taken while no kill is pending
+                        # also stop and resume at another D
+KILL_EVERY = (20, 80)   # steps between worker SIGKILLs (counted from the last resume)
 
 
 # ---------------------------------------------------------------- data and pipeline
@@ -135,6 +136,16 @@ def _mappings(pid: int | str = "self") -> tuple[int, int]:
     return text.count("/memfd:"), text.count("/dev/shm/")
 
 
+def _fd_targets() -> dict[str, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
+
+
 def _shm_names(pid: int | str = "self") -> set[str]:
     """Names under /dev/shm that a process maps."""
     try:
@@ -153,7 +164,7 @@ class Sampler(threading.Thread):
         self.events: list[dict] = []
         self.phase = "setup"
         self.step = 0
-        self.workers: list[int] = []  # pids of the live loaders' workers (set by the main thread)
+        self.worker_pids = lambda: []  # the live loaders' workers (set by the chaos run)
         self._halt = threading.Event()
         self.me = psutil.Process()
         self.shm_prefix = f"zephon-{os.getpid()}-"
@@ -174,7 +185,7 @@ class Sampler(threading.Thread):
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
         alive = 0
-        for pid in list(self.workers):
+        for pid in self.worker_pids():
             if _alive(pid):
                 alive += 1
                 worker_maps += _mappings(pid)[0]
@@ -350,12 +361,18 @@ class Chaos:
         for l in self.loaders:
             l.close()
         self.loaders = []
-        self.sampler.workers = []
 
     def refresh_workers(self) -> None:
-        pids = [p for l in self.loaders for p in l.runner.pids]
+        self.all_workers.update(p for l in self.loaders for p in l.runner.pids)
+
+    def worker_pids(self) -> list[int]:
+        """The live loaders' workers (read by the sampler thread, also while a step computes)."""
+        try:
+            pids = [p for l in list(self.loaders) for p in l.runner.pids]
+        except Exception:  # noqa: BLE001 - a runner closing under us
+            return []
         self.all_workers.update(pids)
-        self.sampler.workers = pids
+        return pids
 
     def checkpoint(self, step: int) -> None:
         merged = merge_states([l.state() for l in self.loaders])
@@ -461,10 +478,10 @@ class Chaos:
                 elif not shot["timer"].is_alive():
                     shot = None  # the timer found no worker to kill (none started yet)
                     next_kill = step + self.rng.randint(5, 30)
-            if shot is None and step >= next_save and step < self.steps:
-                self.checkpoint(step)
+            if step >= next_save and step < self.steps:
+                self.checkpoint(step)  # also while a killed worker has not surfaced yet
                 next_save = step + self.rng.randint(*SAVE_EVERY)
-                if self.rng.random() < 0.5:  # stop here and resume at another data-parallel degree
+                if shot is None and self.rng.random() < 0.6:  # stop, resume at another degree
                     step = self.resume("elastic")
                     self.stats["elastic_resumes"] += 1
             if shot is None and next_kill < step:
@@ -541,8 +558,8 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=4, help="epochs every lane of both sources finishes")
     ap.add_argument("--margin", type=int, default=400,
                     help="reference steps past the end, where a kill fired near the end may surface")
-    ap.add_argument("--prose-docs", type=int, default=1500)
-    ap.add_argument("--code-docs", type=int, default=700)
+    ap.add_argument("--prose-docs", type=int, default=1200)
+    ap.add_argument("--code-docs", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0, help="seeds where kills and resumes happen")
     ap.add_argument("--out", default=os.path.join(RESULTS, "soak.json"))
     args = ap.parse_args()
@@ -557,10 +574,21 @@ def main() -> int:
         job = Job(tmp, args.prose_docs, args.code_docs)
         ref, ref_tokens, steps = reference(job, args.epochs, args.margin, sampler)
         chaos = Chaos(job, ref, steps, sampler, rng, os.path.join(tmp, "ckpt", "loader.json"))
+        sampler.worker_pids = chaos.worker_pids
         os.makedirs(os.path.dirname(chaos.ckpt))
+        fds_before = _fd_targets()
         chaos.run()
         sampler.phase = "after"
         time.sleep(1.0)  # workers exit within milliseconds of close(); let the sampler see it
+        fds_after = _fd_targets()
+        fds_new = sorted(t for fd, t in fds_after.items() if fds_before.get(fd) != t)
+        # closed loaders sit in reference cycles until the cyclic GC runs; their sources'
+        # descriptors go with them
+        import gc
+
+        gc.collect()
+        fds_gc = _fd_targets()
+        fds_new_gc = sorted(t for fd, t in fds_gc.items() if fds_before.get(fd) != t)
     sampler.stop()
     final = sampler.sample()
     leftover = [p for p in chaos.all_workers if _alive(p)]
@@ -601,7 +629,10 @@ def main() -> int:
         "resources": {key: summarise(chaos_samples, key) for key in
                       ("rss_mb", "children_rss_mb", "fds", "memfd_fds", "memfd_maps", "dev_shm_ours",
                        "children", "workers_alive")},
-        "after_close": {"sample": final, "workers_left": leftover, "dev_shm_new": shm_new},
+        "after_close": {"sample": final, "workers_left": leftover, "dev_shm_new": shm_new,
+                        "fds_before_chaos": len(fds_before), "fds_after_close": len(fds_after),
+                        "fds_new_after_close": fds_new, "fds_after_gc_collect": len(fds_gc),
+                        "fds_new_after_gc_collect": fds_new_gc},
         "events": sampler.events,
         "samples": sampler.samples,
     }
@@ -618,6 +649,8 @@ def main() -> int:
         failures.append(f"{chaos.stats['worker_errors']} WorkerErrors for {chaos.stats['kills']} kills")
     if not result["final_lanes_equal_reference"]:
         failures.append("the final lane states differ from the reference's")
+    if any(t.startswith(("/memfd:", "socket:")) or t.endswith(".jsonl") for t in fds_new_gc):
+        failures.append(f"descriptors left open after close and gc.collect(): {fds_new_gc}")
     if leftover or shm_new or final["memfd_maps"] or final["memfd_fds"]:
         failures.append(f"leaks after close: workers {leftover}, /dev/shm {shm_new}, "
                         f"memfd maps {final['memfd_maps']}, memfd fds {final['memfd_fds']}")
@@ -640,7 +673,9 @@ def main() -> int:
           f"{r['fds'].get('min')}-{r['fds'].get('max')}, memfd maps {r['memfd_maps'].get('min')}-"
           f"{r['memfd_maps'].get('max')}, /dev/shm {r['dev_shm_ours'].get('max')}")
     print(f"  after close: workers left {leftover}, /dev/shm new {shm_new}, memfd maps "
-          f"{final['memfd_maps']}, fds {final['fds']}")
+          f"{final['memfd_maps']}, fds {len(fds_before)} before the chaos run -> {len(fds_after)} "
+          f"after close ({sum(t.endswith('.jsonl') for t in fds_new)} JSONL files of closed loaders "
+          f"awaiting the cyclic GC) -> {len(fds_gc)} after gc.collect() (new: {fds_new_gc})")
     for f in failures:
         print(f"FAIL: {f}")
     return 1 if failures else 0
