@@ -703,7 +703,7 @@ BAD_WEIGHTS = [
     ("nested", [[0.5], 0.5], r"Mix weights must be numbers"),
     ("complex", [1j, 1], r"Mix weights must be numbers"),
 ]
-# Accepted today (or a raw builtin): each should be a PlanError too. See the report in the commit.
+# Once open (found by these tests, fixed in 4ae62c8): each note says what happened before the fix.
 BAD_WEIGHTS_OPEN = [
     ("numeric text", ["0.5", 0.5], "float('0.5') is accepted: a weight read from a config "
      "as text passes unnoticed (zephon/plan.py:307)"),
@@ -987,8 +987,8 @@ HAND_EDITS = [
      r"lane {lane} holds output 7 of input \d+ but re-processing that input gives fewer outputs"),
 ]
 
-_OPEN = "open: accepted silently or a raw builtin escapes"
-# Each should be a StateError naming the lane and the field; today it is not (file:line in `why`).
+# Once open (found by these tests, fixed in f8a8561): each note says what happened before the fix
+# (file:line of that time).
 HAND_EDITS_OPEN = [
     ("cursor past int64", "concat", _lane(lambda st: st["cursor"].__setitem__(0, 2**63)), names("{lane}", "'cursor'"),
      "raw OverflowError 'Python int too large to convert to C long' at zephon/exec/lanes.py:67; "
@@ -1134,3 +1134,14 @@ def test_merge_states_refuses_malformed_lanes(lm_states):
     state, _ = lm_states["concat"]
     with pytest.raises(StateError, match=r"'lanes'"):
         merge_states([state, {**state, "lanes": list(state["lanes"].values())}])
+
+
+@pytest.mark.xfail(strict=True, reason="open: Batch.refs/explain on a Mix by tokens resolve branch 0 only "
+                   "(zephon/plan.py Lanes.resolve_lanes, branch=0 default), so every row is reported as "
+                   "source 0 without an error; it should refuse like Mix._resolve does")
+def test_plan_explain_of_a_token_mix_is_refused_not_wrong():
+    from zephon import Mix, Source
+
+    p = Mix([Source(50, id=0).repeat(), Source(50, id=1).repeat()], [0.5, 0.5], by="tokens").lanes(2).batch(4)
+    with pytest.raises(PlanError, match="by tokens"):
+        p.explain(0)
