@@ -1136,9 +1136,6 @@ def test_merge_states_refuses_malformed_lanes(lm_states):
         merge_states([state, {**state, "lanes": list(state["lanes"].values())}])
 
 
-@pytest.mark.xfail(strict=True, reason="open: Batch.refs/explain on a Mix by tokens resolve branch 0 only "
-                   "(zephon/plan.py Lanes.resolve_lanes, branch=0 default), so every row is reported as "
-                   "source 0 without an error; it should refuse like Mix._resolve does")
 def test_plan_explain_of_a_token_mix_is_refused_not_wrong():
     from zephon import Mix, Source
 

@@ -628,6 +628,10 @@ class Batch(Node, kind="Batch"):
         n = self.length
         if n is not None and step >= n:
             raise PlanError(f"step {step} is past the end of the plan ({n} global batches)")
+        if len(self.child.branches) > 1:
+            raise PlanError("a Mix by tokens has no order by position: which record fills a row "
+                            "depends on the token counts before it. Iterate a Loader and use "
+                            "LocalBatch.explain() (or `zephon explain MODULE:FACTORY --step K`).")
         lane, index = self.rows(step, lanes)
         return self.child.resolve_lanes(lane, index)
 
