@@ -6,12 +6,14 @@ pipeline is a few lines::
     import pytest
     from my_project.data import pipeline
 
-    @pytest.mark.zephon_pipeline(pipeline, steps=30)
+    @pytest.mark.zephon_pipeline(factory=pipeline, steps=30)
     def test_data_is_deterministic(zephon_verify):
         zephon_verify.elastic()          # D = 1, 2, 4, 8
         zephon_verify.resume()           # stop, save, resume at another D (and emitter)
 
-Without the marker, hand the factory to the fixture: `zephon_verify(pipeline).emitters()`.
+Pass the factory as `factory=` (or as "module:function"): pytest takes a marker's lone
+positional function argument for the function being decorated. Without the marker, hand the
+factory to the fixture: `zephon_verify(pipeline).emitters()`.
 Each check raises `zephon.testing.DeterminismError` (an AssertionError) naming the first step,
 lane, row and field that differ and what that row holds. `--zephon-steps N` sets every check's
 step count (e.g. longer in nightly CI). The JAX checks use several meshes: give JAX 8 CPU
@@ -36,7 +38,7 @@ def pytest_addoption(parser: Any) -> None:
 
 def pytest_configure(config: Any) -> None:
     config.addinivalue_line(
-        "markers", "zephon_pipeline(factory, steps=20): the pipeline factory (a callable, "
+        "markers", "zephon_pipeline(factory=..., steps=20): the pipeline factory (a callable, "
         "'module:function' or 'path/file.py:function') the zephon_verify fixture checks")
 
 
