@@ -21,8 +21,12 @@ def test_explain_prints_rows_of_a_plan_file(tmp_path, capsys):
     assert [int(l.split()[3]) for l in lines[1:]] == plan.refs(3).record.tolist()
 
 
-def test_verify_matrix_includes_runners_and_all_agree(capsys):
-    assert main(["verify", "--records", "2000", "--steps", "8"]) == 0
+def test_verify_checks_a_demo_pipeline_with_runners_and_resumes(capsys):
+    """`zephon verify` with no target checks the demo pipelines (make verify); here one of them,
+    numpy only, with the threads and processes runners."""
+    assert main(["verify", "zephon.cli:demo_filter", "--backends", "numpy", "--runners", "threads:2,processes:2",
+                 "--workers", "0", "--processes", "0", "--steps", "6", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "runner processes:2" in out and "runner threads:2" in out
-    assert out.count(" yes") == 16 and "NO (" not in out  # 8 configurations x 2 mappings
+    assert "numpy D=2 runner=processes:2" in out and "numpy D=2 runner=threads:2" in out
+    assert "numpy D=8 @2 -> numpy D=1 @3 -> numpy D=4 micro=2" in out
+    assert "demo_filter: 11 configurations, 6 steps, all identical" in out and "DIFFERS" not in out

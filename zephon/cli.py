@@ -370,8 +370,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     configs = verify_configs(args)
     targets = args.targets or list(DEMO_PIPELINES)
     builders = []
-    for t in targets:  # every target is checked before anything runs
-        builders.append(Builder(t if not _is_plan_target(t) else t))
+    for t in targets:  # every target is built once before anything runs: mistakes surface first
+        builder = Builder(t)
+        builder(1, 0)
+        builders.append(builder)
     t0 = time.perf_counter()
     reports = []
     for t, b in zip(targets, builders):
