@@ -22,9 +22,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# The long matrices: the slow tests, then `zephon verify` on the demo pipelines (shuffle, filter,
+# packed LM) over its default matrix; the report goes to build/verify.{json,png}.
 verify: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
-	$(VENV)/bin/zephon verify
+	$(VENV)/bin/zephon verify --report build/verify
 
 bench: $(STAMP)
 	$(VENV)/bin/zephon bench
