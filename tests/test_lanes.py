@@ -241,3 +241,31 @@ def test_a_lane_whose_filter_never_passes_raises_instead_of_hanging():
 
 def even_x(cols):
     return cols["x"] % 2 == 0
+
+
+def test_user_mistakes_get_errors_that_name_them():
+    src = make_source()
+    for kw, msg in [({"rank": "a"}, r"Loader\(rank=...\) must be a non-negative integer"),
+                    ({"seed": None}, r"Loader\(seed=...\)"), ({"read_ahead": "x"}, "read_ahead"),
+                    ({"per_source": {"a": []}}, "per_source is keyed by Source id")]:
+        with pytest.raises(PlanError, match=msg):
+            Loader(plan(), src, **kw)
+    with pytest.raises(PlanError, match="sources are keyed by Source id"):
+        Loader(plan(), {"x": src})
+    with pytest.raises(PlanError, match="returned ndarray; a batched operator returns a dict"):
+        next(Loader(plan(), src, [Map(as_array, batched=True)]))
+    with pytest.raises(PlanError, match="must return a list of records, got int"):
+        next(Loader(plan(), src, [FlatMap(not_a_list)]))
+    from zephon import Node
+    with pytest.raises(PlanError, match="unknown field"):
+        Node.from_json({"type": "Source", "size": 3, "bogus": 1})
+    with pytest.raises(PlanError, match="not valid"):
+        Node.from_json("{nope")
+
+
+def as_array(cols):
+    return cols["id"]
+
+
+def not_a_list(r):
+    return 3

@@ -80,7 +80,7 @@ class Node:
     @property
     def length(self) -> int | None:
         """Number of positions, or None for an infinite stream."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define length (and _resolve)")
 
     @property
     def period(self) -> int | None:
@@ -88,7 +88,7 @@ class Node:
         return None
 
     def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _resolve(pos, epoch) -> Refs")
 
     def resolve(self, positions: np.ndarray | Sequence[int] | int) -> Refs:
         """The record references at `positions` (vectorised)."""
@@ -140,7 +140,13 @@ class Node:
     @staticmethod
     def from_json(obj: dict[str, Any] | str) -> "Node":
         if isinstance(obj, str):
-            obj = json.loads(obj)
+            try:
+                obj = json.loads(obj)
+            except json.JSONDecodeError as e:
+                raise PlanError(f"plan JSON is not valid ({e}); pass what Node.to_json() or "
+                                "canonical_json() wrote.") from None
+        if not isinstance(obj, dict):
+            raise PlanError(f"a plan node is a JSON object with a 'type', got {type(obj).__name__}")
         obj = dict(obj)
         kind = obj.pop("type", None)
         cls = Node._registry.get(kind or "")
@@ -156,7 +162,15 @@ class Node:
             elif isinstance(v, list):
                 v = tuple(v)
             args[k] = v
-        return cls(**args)
+        fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(args)
+        unknown = sorted(set(args) - fields)
+        if unknown:
+            raise PlanError(f"plan node {kind} has unknown field(s) {unknown}; known: {sorted(fields)}. "
+                            "The plan was edited or written by another Zephon.")
+        try:
+            return cls(**args)
+        except TypeError as e:
+            raise PlanError(f"plan node {kind} cannot be built from {sorted(args)}: {e}") from None
 
     def canonical_json(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))

@@ -85,6 +85,9 @@ def _as_ops(transforms: Sequence[Any], per_source: Mapping[int, Sequence[Transfo
             ) -> tuple[Any, ...]:
     ops = tuple(transforms)
     if per_source:
+        bad = [k for k in per_source if isinstance(k, bool) or not isinstance(k, (int, np.integer))]
+        if bad:
+            raise PlanError(f"per_source is keyed by Source id (an int), got keys {bad[:4]}")
         ops = (PerSource({int(k): tuple(v) for k, v in per_source.items()}),) + ops
     return ops
 
@@ -131,6 +134,9 @@ class Loader:
                             "inside every lane.")
         self.pipeline = LanePipeline.split(_as_ops(transforms, per_source))
         self.transforms = self.pipeline.ops
+        for what, v in (("seed", seed), ("rank", rank), ("world", world)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise PlanError(f"Loader({what}=...) must be a non-negative integer, got {v!r}")
         self.seed = int(seed)
         self.rank, self.world = int(rank), int(world)
         self.owned = plan.lanes.owned(self.rank, self.world)
@@ -146,6 +152,8 @@ class Loader:
         self.random_access = self.pipeline.one_to_one and not self.token_mix
         self.one_to_one = self.random_access
         self.runner = runner
+        if read_ahead is not None and (isinstance(read_ahead, bool) or not isinstance(read_ahead, (int, np.integer))):
+            raise PlanError(f"read_ahead must be a positive number of rows, got {read_ahead!r}")
         self.read_ahead = READ_AHEAD_ROWS if read_ahead is None else int(read_ahead)
         if self.read_ahead < 1:
             raise PlanError(f"read_ahead must be a positive number of rows, got {read_ahead!r}")

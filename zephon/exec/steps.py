@@ -26,6 +26,9 @@ from zephon.sources.base import Columns, RecordSource
 def as_source_map(sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource]
                   ) -> dict[int, RecordSource]:
     if isinstance(sources, Mapping):
+        bad = [k for k in sources if isinstance(k, bool) or not isinstance(k, (int, np.integer))]
+        if bad:
+            raise PlanError(f"sources are keyed by Source id (an int), got keys {bad[:4]}")
         return {int(k): v for k, v in sources.items()}
     if isinstance(sources, (list, tuple)):
         return dict(enumerate(sources))

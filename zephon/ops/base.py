@@ -130,7 +130,8 @@ class Transform(Operator):
     expands: bool = False
 
     def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, np.ndarray | None]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} subclasses Transform but does not implement "
+                                  "apply(cols, refs, seed) -> (cols, rows)")
 
 
 def to_records(cols: Columns) -> list[Record]:
@@ -208,6 +209,9 @@ def run_transforms(transforms: Sequence[Transform], cols: Columns, refs: Refs,
     for i, t in enumerate(transforms):
         n_in = len(refs)
         cols, raw = t.apply(cols, refs, transform_seed(seed, i))
+        if not isinstance(cols, dict):
+            raise PlanError(f"{t.op_name} returned {type(cols).__name__}; a batched operator returns "
+                            "a dict {field: array} with one row per output.")
         rows = output_rows(t.op_name, raw, n_in)
         masked = raw is not None and np.asarray(raw).dtype == bool
         if rows is not None and (rows.size != n_in or np.any(rows != np.arange(n_in))):
@@ -274,7 +278,8 @@ class Accumulator(Operator):
     """
 
     def step(self, carry: JSON, held: Columns, new: Columns, demand: int) -> Step:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} subclasses Accumulator but does not "
+                                  "implement step(carry, held, new, demand) -> Step")
 
     def finish(self, carry: JSON, held: Columns, new: Columns, demand: int) -> Step:
         """Like `step`, when `new` holds the lane's last inputs (a finite plan ends): emit what

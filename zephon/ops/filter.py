@@ -59,7 +59,11 @@ class FlatMap(Transform):
         outs: list[dict[str, Any]] = []
         rows: list[int] = []
         for i, r in enumerate(to_records(cols)):
-            got = list(call_on_record(self.fn, self.op_name, refs, i, r))
+            got = call_on_record(self.fn, self.op_name, refs, i, r)
+            if not isinstance(got, (list, tuple)):
+                raise PlanError(f"{self.op_name} must return a list of records, got "
+                                f"{type(got).__name__} for record {int(refs.record[i])} of source "
+                                f"{int(refs.source[i])}")
             outs += got
             rows += [i] * len(got)
         return stack_records(outs, cols), np.asarray(rows, np.int64)
