@@ -506,24 +506,52 @@ def experiment(cfg: Config, workdir: Path, log=print) -> dict[str, Any]:
     jobs = [{**base, "loader": name, "world": world, "save_at": cfg.stop_step if world == 2 else None}
             for world in (2, 1, 4, 8) for name in LOADERS]
     jobs.append({**base, "loader": "zephon", "world": 8, "per_rank_gradients": True})
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(cfg.workers) as pool:
-        pending = [(j, pool.apply_async(run, (j,))) for j in jobs]
-        results = []
-        resumes = []
-        for j, p in pending:
-            results.append(p.get())
-            r = results[-1]
-            log(f"  {r['loader']:>19} D={r['world']}{' per-rank gradients' if r['per_rank_gradients'] else ''}: "
-                f"final eval loss {r['eval'][-1][1]:.6f} ({r['seconds']:.0f}s)")
-            if j["world"] == 2:   # its checkpoint at S exists now: queue the resume under D=8
-                resumes.append(pool.apply_async(run, ({**base, "loader": j["loader"], "world": 8, "resume": True},)))
-        for p in resumes:
-            results.append(p.get())
-            r = results[-1]
-            log(f"  {r['loader']:>19} D=2 -> 8 at step {r['start']}: final eval loss {r['eval'][-1][1]:.6f} "
-                f"({r['seconds']:.0f}s)")
+    results = run_all(jobs, base, cfg.workers, log)
     return summarize(cfg, corpus, results, time.perf_counter() - t0)
+
+
+def describe(r: dict[str, Any]) -> str:
+    what = (f"D=2 -> 8 at step {r['start']}" if r["resume"] else
+            f"D={r['world']}{' per-rank gradients' if r['per_rank_gradients'] else ''}")
+    return f"  {r['loader']:>19} {what}: final eval loss {r['eval'][-1][1]:.6f} ({r['seconds']:.0f}s)"
+
+
+def run_all(jobs: list[dict], base: dict, workers: int, log=print, retries: int = 2) -> list[dict]:
+    """Runs the jobs `workers` at a time in fresh processes; each D=2 job's resume under D=8 is
+    queued once its checkpoint exists. A worker killed from outside (e.g. by the kernel's OOM
+    killer when something else fills the machine) breaks the pool: its unfinished jobs run again
+    in a new one (training is deterministic, so a rerun gives the same result)."""
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    todo, results = list(jobs), []
+    for attempt in range(retries + 1):
+        failed: list[dict] = []
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            running = {pool.submit(run, j): j for j in todo}
+            while running and not failed:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for f in done:
+                    job = running.pop(f)
+                    try:
+                        r = f.result()
+                    except BrokenProcessPool:
+                        failed.append(job)
+                        continue
+                    results.append(r)
+                    log(describe(r))
+                    if job["world"] == 2 and job.get("save_at"):   # its checkpoint exists now
+                        resume = {**base, "loader": job["loader"], "world": 8, "resume": True}
+                        if failed:
+                            failed.append(resume)
+                        else:
+                            running[pool.submit(run, resume)] = resume
+            todo = failed + list(running.values())
+        if not todo:
+            return results
+        log(f"  a worker process died (killed from outside?); running {len(todo)} unfinished jobs again "
+            f"(attempt {attempt + 2} of {retries + 1})")
+    raise RuntimeError("worker processes kept dying; see the kernel log (dmesg) for the OOM killer")
 
 
 def summarize(cfg: Config, corpus: dict, results: list[dict], wall: float) -> dict[str, Any]:
