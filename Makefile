@@ -26,7 +26,7 @@ test: $(STAMP)
 # packed LM) over its default matrix; the report goes to build/verify.{json,png}.
 verify: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
-	$(VENV)/bin/zephon verify --report build/verify
+	$(VENV)/bin/zephon verify --steps 80 --report build/verify
 
 bench: $(STAMP)
 	$(VENV)/bin/zephon bench
