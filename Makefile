@@ -32,7 +32,7 @@ bench: $(STAMP)
 	$(VENV)/bin/zephon bench
 
 .PHONY: experiment
-# Elastic training: a tiny LM trained at D = 1, 2, 4, 8 ranks with three loaders (~10 min);
+# Elastic training: a tiny LM trained at D = 1, 2, 4, 8 ranks with three loaders (~13 min on 2 cores);
 # writes benchmarks/results/elastic_training.{json,png}
 experiment: $(STAMP)
 	$(PY) benchmarks/elastic_training.py
