@@ -24,8 +24,9 @@ Zephon's doing: the same global arrays on every mesh. The float arithmetic is th
 it constrains the gradient to be replicated, so XLA sums it with one all-reduce over all 8
 devices, in the same order on any mesh. With `--no-replicated-grads` the gradient takes FSDP's
 usual path (reduce-scatter over `fsdp`, then all-reduce over `data`), whose summation order
-depends on the mesh shape: the batches stay identical and the losses differ by float rounding
-(about 1e-7 here) — at scale you would keep that cheaper path and accept rounding-level noise.
+depends on the mesh shape: the batches stay identical and the losses can differ by float
+rounding (up to 4.8e-7 in some configurations here, e.g. `--batch 8`; identical in others) — at
+scale you would keep that cheaper path and accept rounding-level noise.
 
 Each step reads the loss (a per-step sync): on 8 *fake* CPU devices XLA can otherwise queue
 hundreds of asynchronous steps and starve its collectives' rendezvous.
