@@ -201,7 +201,6 @@ def resume(args: argparse.Namespace, ranks_before: int) -> list[float]:
     losses = []
     for _, batch in zip(range(ckpt["step"], args.steps), loader):
         tokens = batch["loss_mask"].sum()
-        opt.zero_grad()
         # The global batch's row blocks are exactly the ranks' local batches of run A.
         blocks = micro_batches(batch, ranks_before) if args.same_reduction else [batch]
         grads, total = [], torch.zeros(())
