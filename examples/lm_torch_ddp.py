@@ -12,10 +12,11 @@ What it does, all on CPU:
    `--seq-len` tokens (`Pack(..., "concat")`: no padding, no token lost).
 2. Run A: DDP over 2 local gloo processes. Every rank iterates a `ZephonDataLoader` with
    `--workers` DataLoader workers (a packing pipeline: each worker runs a block of the rank's
-   lanes) and gets only its rows of each global batch. The local batch is split into
-   `--micro-batches` slices of rows for gradient accumulation (`net.no_sync()` on all but the
-   last), each micro-batch's summed token loss divided by the global number of loss tokens (one
-   all-reduce), so the update is the global batch's token-mean gradient whatever the split.
+   lanes) and gets only its rows of each global batch. `batch.micro_batches(n)` cuts the local
+   batch into `--micro-batches` consecutive row blocks (views) for gradient accumulation
+   (`net.no_sync()` on all but the last), each micro-batch's summed token loss divided by the
+   global number of loss tokens (one all-reduce), so the update is the global batch's token-mean
+   gradient whatever the split.
    At step `--steps // 2` it writes a checkpoint: model, optimizer and the loader state (every
    rank's state merged with `zephon.merge_states`) in one `torch.save` file.
 3. Run B: a single process loads that checkpoint, builds the same loader (world size 1, the same
@@ -131,16 +132,6 @@ def summed_loss(model: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     return (ce * mb["loss_mask"].flatten()).sum()
 
 
-def micro_batches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
-    """The local batch's rows in `n` equal slices (Zephon's batches have no micro-batch helper
-    yet, so we slice the rows ourselves: a view, no copy)."""
-    rows = batch["tokens"].shape[0]
-    if rows % n:
-        raise SystemExit(f"--micro-batches {n} must divide the {rows} rows of the local batch")
-    step = rows // n
-    return [{k: v[i:i + step] for k, v in batch.items()} for i in range(0, rows, step)]
-
-
 def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)  # the same initial weights on every rank and in every run
     model = TinyLM(args.vocab, args.seq_len)
@@ -162,7 +153,7 @@ def ddp_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
             tokens = batch["loss_mask"].sum()
             dist.all_reduce(tokens)  # the global batch's loss-token count
             opt.zero_grad()
-            parts = micro_batches(batch, args.micro_batches)
+            parts = batch.micro_batches(args.micro_batches)   # row blocks of this rank's batch
             local = torch.zeros(())
             for i, mb in enumerate(parts):
                 last = i == len(parts) - 1
@@ -202,12 +193,12 @@ def resume(args: argparse.Namespace, ranks_before: int) -> list[float]:
     for _, batch in zip(range(ckpt["step"], args.steps), loader):
         tokens = batch["loss_mask"].sum()
         # The global batch's row blocks are exactly the ranks' local batches of run A.
-        blocks = micro_batches(batch, ranks_before) if args.same_reduction else [batch]
+        blocks = batch.micro_batches(ranks_before) if args.same_reduction else [batch]
         grads, total = [], torch.zeros(())
         for block in blocks:
             opt.zero_grad()
             local = torch.zeros(())
-            for mb in micro_batches(block, args.micro_batches * (1 if args.same_reduction else ranks_before)):
+            for mb in block.micro_batches(args.micro_batches * (1 if args.same_reduction else ranks_before)):
                 loss = summed_loss(model, mb) / tokens
                 (loss * len(blocks)).backward()
                 local += loss.detach()
