@@ -231,6 +231,15 @@ def test_a_plan_that_changes_with_the_degree_is_named():
     assert "another lane count" in d.detail and "plan.child.count: 1 != 2" in d.detail
 
 
+def test_a_pipeline_built_per_rank_is_caught_when_it_reads_the_rank():
+    def seeded_by_rank(rank=0, world=1):  # a common slip: seeding augmentation with the rank
+        return Pipeline(plan(), source(), [z.RandomMap(jitter, name="jitter")], seed=rank)
+
+    rep = zt.verify(seeded_by_rank, ["numpy D=2", "torch D=4"], 4)
+    assert [where(r.divergence)[:3] for r in rep.results[1:]] == [(0, 4, 16), (0, 2, 8)]
+    assert all(r.divergence.field == "x" for r in rep.results[1:])
+
+
 # --- one state document, every emitter ----------------------------------------------------------
 
 def torch_round_trip(state):
@@ -254,7 +263,6 @@ def plain_json(x) -> bool:
 
 def test_every_emitter_writes_the_same_document_and_restores_it():
     import jax
-    import torch
     from jax.sharding import Mesh
 
     import zephon.compat.grain as zg
