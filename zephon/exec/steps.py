@@ -111,13 +111,19 @@ class GroupResult:
     traceback: str = ""
 
     def raise_error(self) -> None:
-        if self.error is None:
-            return
-        if self.error.__traceback__ is None and self.traceback:  # crossed a process boundary
-            from zephon.runners import RemoteTraceback
+        raise_captured(self.error, self.traceback)
 
-            raise self.error from RemoteTraceback(self.traceback)
-        raise self.error
+
+def raise_captured(error: BaseException | None, tb: str) -> None:
+    """Re-raises an error a step or window captured (nothing if None); one that crossed a
+    process boundary lost its traceback, so the worker's is chained as `RemoteTraceback`."""
+    if error is None:
+        return
+    if error.__traceback__ is None and tb:
+        from zephon.runners import RemoteTraceback
+
+        raise error from RemoteTraceback(tb)
+    raise error
 
 
 @dataclass(frozen=True)

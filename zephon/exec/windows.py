@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from zephon.errors import PlanError, StateError
-from zephon.exec.steps import read_refs
+from zephon.exec.steps import raise_captured, read_refs
 from zephon.ops.base import Transform, run_transforms, sub_index
 from zephon.plan import Lanes, Refs
 from zephon.sources.base import Columns, RecordSource
@@ -45,13 +45,7 @@ class Window:
     used: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     def raise_error(self) -> None:
-        if self.error is None:
-            return
-        if self.error.__traceback__ is None and self.traceback:  # crossed a process boundary
-            from zephon.runners import RemoteTraceback
-
-            raise self.error from RemoteTraceback(self.traceback)
-        raise self.error
+        raise_captured(self.error, self.traceback)
 
 
 @dataclass(frozen=True)

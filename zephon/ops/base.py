@@ -289,7 +289,3 @@ class Accumulator(Operator):
     def check_carry(self, carry: JSON, held: Columns) -> None:
         """Raises ValueError naming what is wrong with a restored `carry` for these `held` inputs
         (a hand-edited or foreign state); the loader reports it with the lane. Default: any."""
-
-    def max_pending(self) -> int | None:
-        """Upper bound on held inputs (documents the state size); None if unbounded."""
-        return None

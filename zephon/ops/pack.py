@@ -136,9 +136,6 @@ class Pack(Accumulator):
         if used != set(range(n)):
             raise ValueError(f"the carry names held inputs {sorted(used)}, but {n} are held")
 
-    def max_pending(self) -> int:
-        return 1 if self.mode == "concat" else self.max_open_bins * self.seq_len + 1
-
     # --- the operator ------------------------------------------------------------------------
     def step(self, carry: Any, held: Columns, new: Columns, demand: int) -> Step:
         return self._step(carry, held, new, demand, final=False)
