@@ -6,14 +6,14 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test verify bench venv clean
+.PHONY: demo test lint verify bench venv clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e '.[all,test]'
+	$(PIP) install --quiet -c constraints.txt -e '.[all,test,lint]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,6 +24,16 @@ test: $(STAMP)
 
 # The long matrices: the slow tests, then `zephon verify` on the demo pipelines (shuffle, filter,
 # packed LM) over its default matrix; the report goes to build/verify.{json,png}.
+# ruff over the tree; mypy over the installed package layout (zephon/ + backends/ as zephon.backends +
+# compat/ as zephon.compat), which build/typecheck/ mirrors with symlinks so mypy sees the real names.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	rm -rf build/typecheck && mkdir -p build/typecheck/zephon
+	for f in zephon/*; do ln -s ../../../$$f build/typecheck/zephon/; done
+	ln -s ../../../backends build/typecheck/zephon/backends
+	ln -s ../../../compat build/typecheck/zephon/compat
+	MYPYPATH=build/typecheck $(VENV)/bin/mypy -p zephon
+
 verify: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 	$(VENV)/bin/zephon verify --steps 80 --report build/verify
