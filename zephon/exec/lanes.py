@@ -8,8 +8,8 @@ Every lane is an independent sequential stream. The engine splits the work on it
    window is a pure function of `(branch, w)`: any runner (threads, processes) computes windows
    ahead, in any worker, and the result cannot depend on which.
 2. **Assembly (sequential, cheap).** In the consumer, each lane takes its next outputs from the
-   windows in order: `B/L` rows a step, through a token-aware mix schedule and an accumulator
-   (packing) if the pipeline has them. Only this part carries state, and the state is positions:
+   windows in order: `B/L` rows a step, through the token-mix schedule (`exec/schedule.py`) and
+   an accumulator (packing) if the pipeline has them. Only this part carries state, and the state is positions:
    per branch the lane's next input and how many of its outputs were used (`cursor`, `skip`),
    the mix counters, and the accumulator's carry with the inputs it holds named by position.
 
@@ -31,7 +31,8 @@ from zephon.errors import PlanError, StateError
 from zephon.exec.windows import (Provenance, Window, WindowTask, concat_cols, rematerialize,
                                  take_rows, window_size)
 from zephon.exec.pipeline import LanePipeline
-from zephon.exec.state import LaneState
+from zephon.exec.schedule import TokenSchedule
+from zephon.exec.state import LaneState, canonical
 from zephon.plan import Batch, Mix, Refs
 from zephon.sources.base import Columns, RecordSource
 
@@ -54,10 +55,7 @@ class LaneEngine:
         lanes = plan.lanes
         self.nb = len(lanes.branches)
         mix = lanes.child if isinstance(lanes.child, Mix) and lanes.child.by == "tokens" else None
-        self.mix = mix
-        if mix is not None:
-            w = mix.normalized
-            self._inv_w = np.where(w > 0, 1.0 / np.where(w > 0, w, 1.0), np.inf)
+        self.schedule = None if mix is None else TokenSchedule.of(mix)
         self.per = plan.per_lane
         self._states = list(states)
         self._simple: tuple[np.ndarray, np.ndarray] | None = None  # (cursor, skip) of the simple path
@@ -67,7 +65,7 @@ class LaneEngine:
         starts = tuple(np.array([s.cursor[b] for s in self._states], np.int64) for b in range(self.nb))
         size = window_size(read_ahead, len(owned), self.per)
         first = self.per
-        if mix is not None or pipeline.acc is not None:
+        if self.schedule is not None or pipeline.acc is not None:
             # documents (tokenize, pack): ~512 inputs a window keep encode_batch efficient while
             # several windows are in flight on the runner
             size = max(8, min(size, 512 // max(1, len(owned))))
@@ -243,9 +241,7 @@ class LaneEngine:
         rows = n * per
         for s in range(steps):
             last = (s + 1) * per - 1
-            cur, sub = index_at[:, last], sub_at[:, last]
-            # positions are written canonically: after a fully used input, (input + 1, 0)
-            position = (cur, sub + 1) if expands else (cur + 1, np.zeros_like(sub))
+            position = canonical(index_at[:, last], sub_at[:, last] + 1, expands)
             view = slice(s * rows, (s + 1) * rows)
             self._ready.append(({k: v[view] for k, v in out.items()},
                                 Refs(ref[0, view], ref[1, view], ref[2, view]), position))
@@ -290,28 +286,10 @@ class LaneEngine:
     def _candidates(self, k: int, count: int, mix: Sequence[int]
                     ) -> tuple[list[tuple[Window, int]], list[int]]:
         """The lane's next `count` inputs to the accumulator, following the mix schedule."""
-        if self.mix is None:
+        if self.schedule is None:
             rows = self._peek(0, k, count)
             return rows, [0] * len(rows)
-        counts = np.array(mix, np.float64)
-        depth = [0] * self.nb
-        peeked: list[list[tuple[Window, int]]] = [[] for _ in range(self.nb)]
-        rows: list[tuple[Window, int]] = []
-        branches: list[int] = []
-        field_name = self.mix.count_field
-        while len(rows) < count:
-            ratio = counts * self._inv_w
-            b = int(np.argmin(ratio))
-            if depth[b] == len(peeked[b]):
-                peeked[b] = self._peek(b, k, depth[b] + max(4, count))
-                if depth[b] == len(peeked[b]):
-                    break  # this branch's lane ran out: the finite mix ends here
-            win, r = peeked[b][depth[b]]
-            depth[b] += 1
-            rows.append((win, r))
-            branches.append(b)
-            counts[b] += _count(win.cols, field_name, r)
-        return rows, branches
+        return self.schedule.candidates(lambda b, c: self._peek(b, k, c), count, mix)
 
     def _general_step(self) -> tuple[Columns, Any]:
         per = self.per
@@ -368,8 +346,8 @@ class LaneEngine:
                 taken = [0] * self.nb
                 for (w, r), b in zip(rows[:used], branches[:used]):
                     cursor[b], skip[b] = int(w.index[r]), int(w.sub[r]) + 1
-                    if self.mix is not None:
-                        mix[b] += _count(w.cols, self.mix.count_field, r)
+                    if self.schedule is not None:
+                        mix[b] += self.schedule.count(w.cols, r)
                     taken[b] += 1
                 for b, t in enumerate(taken):
                     if t:
@@ -386,40 +364,25 @@ class LaneEngine:
                 self._held[k] = (held_cols, held_prov)
             lane_outs.append(concat_cols(got))
             provenance += prov
-            new_states.append(LaneState(tuple(cursor), tuple(skip), tuple(mix),
-                                        tuple((p[0], p[1], p[2]) for p in held_prov), carry))
+            cur, skp = canonical(np.array(cursor, np.int64), np.array(skip, np.int64),
+                                 self.pipeline.expands)
+            new_states.append(LaneState(tuple(int(c) for c in cur), tuple(int(x) for x in skp),
+                                        tuple(mix), tuple((p[0], p[1], p[2]) for p in held_prov),
+                                        carry))
         self._skip_applied = True
-        self._states = _normalise(new_states, self.pipeline.expands)
+        self._states = new_states
         if acc is None:  # whole records (a mix by tokens without packing): plain refs
             refs = np.array([row[0][:3] for row in provenance], np.int64).reshape(-1, 3)
             return concat_cols(lane_outs), Refs(refs[:, 0].copy(), refs[:, 1].copy(), refs[:, 2].copy())
         return concat_cols(lane_outs), provenance
 
     def next(self) -> tuple[Columns, Any]:
-        if self.mix is None and self.pipeline.acc is None:
+        if self.schedule is None and self.pipeline.acc is None:
             if not self._ready:
                 self._simple_steps()
             cols, refs, self._simple = self._ready.popleft()
             return cols, refs
         return self._general_step()
-
-
-def _normalise(states: list[LaneState], expands: bool) -> list[LaneState]:
-    """Writes positions canonically: after a fully used input, (input + 1, 0)."""
-    if expands:
-        return states
-    return [LaneState(tuple(c + 1 if s else c for c, s in zip(st.cursor, st.skip)),
-                      tuple(0 for _ in st.skip), st.mix, st.held, st.carry) for st in states]
-
-
-def _count(cols: Columns, name: str, r: int) -> int:
-    """What a token-aware mix counts for row r: the length of its `name` column."""
-    v = cols.get(name)
-    if v is None:
-        raise PlanError(f"a Mix by tokens counts the length of column {name!r}, which the "
-                        f"pipeline's rows do not have (fields: {sorted(cols)}); tokenize before the "
-                        "mix or set Mix(count_field=...).")
-    return len(v[r])
 
 
 def _gather(rows: list[tuple[Window, int]]) -> Columns:

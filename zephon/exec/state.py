@@ -11,6 +11,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from zephon.errors import StateError
 
 _LIMIT = 1 << 62  # positions beyond this are edits, not progress (and would overflow int64 math)
@@ -85,3 +87,12 @@ class LaneState:
                                  f"the lane's position (input {cursor[b]}, output {skip[b]}) of branch "
                                  f"{b}; the state was edited.")
         return LaneState(cursor, skip, mix, tuple(tuple(h) for h in held_raw), obj.get("carry"))
+
+
+def canonical(cursor: np.ndarray, skip: np.ndarray, expands: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Writes positions one way (per lane or branch): after a fully used input, `(input + 1, 0)`.
+    Unless an operator expands inputs (a flat map), an input's outputs are used whole, so a
+    position saved after it must equal one saved before the next: states compare and merge."""
+    if expands:
+        return cursor, skip
+    return cursor + (skip > 0), np.zeros_like(skip)
