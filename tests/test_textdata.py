@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
+from zephon.corpus import _octave_table  # noqa: E402
 from zephon.errors import DecodeError  # noqa: E402
 from zephon.sources import (  # noqa: E402
     ArrayRecordSource,
@@ -26,7 +27,6 @@ from zephon.textdata import (  # noqa: E402
     PAD_ID,
     SPECIAL_TOKENS,
     Utf8Text,
-    _octave_table,
     generate_corpus,
     python_stdlib_corpus,
     train_bpe,
