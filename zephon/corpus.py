@@ -69,7 +69,7 @@ def _octave_table(steps: int = 16, bits: int = 30) -> np.ndarray:
     so log-normal-ish lengths need no platform-dependent exp()."""
     assert steps & (steps - 1) == 0, "steps must be a power of two"
     one = 1 << bits
-    roots = []  # 2**(1/2), 2**(1/4), ... as fixed point
+    roots: list[int] = []  # 2**(1/2), 2**(1/4), ... as fixed point
     r = math.isqrt(2 << (2 * bits))
     while len(roots) < int(math.log2(steps)):
         roots.append(r)

@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import SourceError
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
+from .handles import FileHandles
 from .paths import Paths, expand_paths, shard_name
 from .spec import RawBytes, RecordSpec
 
@@ -77,7 +78,7 @@ def _count_records(path: str, options: str) -> int:
         reader.close()
 
 
-class ArrayRecordSource:
+class ArrayRecordSource(FileHandles):
     """Random-access records from ArrayRecord files, decoded by `spec`.
 
     Readers are opened lazily and are never pickled, and a forked child opens its own, so the
@@ -87,6 +88,8 @@ class ArrayRecordSource:
     on every read error: ArrayRecord's reader returns empty records from a file rewritten under
     it, so a changed file is a `SourceError` naming it, never silently wrong records.
     """
+
+    _transient = ("_readers", "_lock", "_pid")
 
     def __init__(self, paths: Paths, spec: RecordSpec | None = None,
                  reader_options: str = RANDOM_ACCESS_OPTIONS) -> None:
@@ -99,11 +102,11 @@ class ArrayRecordSource:
                                  dtype=np.int64, count=len(self.paths))
         self._ends = np.cumsum(counts)
         self._starts = self._ends - counts
-        self._reset_readers()
+        self._reset()
         log.debug("%r: %d records in %d files", self, len(self), len(self.paths))
         self._what = repr(self)  # as_indices names the source; repr is too slow per read
 
-    def _reset_readers(self) -> None:
+    def _reset(self) -> None:
         self._readers: list[Any] = [None] * len(self.paths)
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -112,22 +115,11 @@ class ArrayRecordSource:
         return int(self._ends[-1])
 
     def __repr__(self) -> str:
-        head = self.paths[0] + (f" (+{len(self.paths) - 1} more)" if len(self.paths) > 1 else "")
-        return f"ArrayRecordSource({head!r}, spec={self.spec!r})"
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in ("_readers", "_lock", "_pid"):
-            del state[key]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset_readers()
+        return f"ArrayRecordSource({self._head()}, spec={self.spec!r})"
 
     def _reader(self, shard: int) -> Any:
         if self._pid != os.getpid():  # forked: the parent's readers are not ours to share
-            self._reset_readers()
+            self._reset()
         reader = self._readers[shard]
         if reader is None:
             with self._lock:

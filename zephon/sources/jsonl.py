@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -24,94 +24,19 @@ import numpy as np
 from ..errors import DecodeError, SourceError
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
+from .handles import FileHandles
+from .jsonl_schema import KINDS, checker, hint, kind_of, merge, short, validate_schema
 from .paths import Paths, expand_paths
 from .spec import _objects, flatten_dict, stack_values
+
+__all__ = ["INFER_RECORDS", "KINDS", "JsonlSource"]
 
 log = logging.getLogger(__name__)
 
 _SCAN_CHUNK = 16 << 20
 
-#: Field types of a JSONL schema. "float" accepts JSON integers too (1 for 1.0); "list" accepts
-#: any list; "any" accepts anything, null included, and always gives an object column.
-KINDS = ("int", "float", "bool", "str", "list[int]", "list[float]", "list[bool]", "list[str]",
-         "list", "any")
 #: Lines the schema is inferred from when none is given.
 INFER_RECORDS = 100
-
-_SCALAR = {bool: "bool", int: "int", float: "float", str: "str"}
-
-
-def _is_float(x: Any) -> bool:
-    return type(x) is float or type(x) is int
-
-
-_ELEMENT: dict[str, Callable[[Any], bool]] = {
-    "int": lambda x: type(x) is int,
-    "float": _is_float,
-    "bool": lambda x: type(x) is bool,
-    "str": lambda x: type(x) is str,
-}
-
-
-def _checker(kind: str) -> Callable[[Any], bool]:
-    if kind in _ELEMENT:
-        return _ELEMENT[kind]
-    if kind == "list":
-        return lambda v: type(v) is list
-    if kind.startswith("list["):  # element types counted in C: no Python call per element
-        allowed = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}[kind[5:-1]]
-
-        def check(v: Any) -> bool:
-            if type(v) is not list:
-                return False
-            types = list(map(type, v))
-            return sum(map(types.count, allowed)) == len(types)
-
-        return check
-    return lambda v: True  # any
-
-
-def _kind_of(value: Any) -> str:
-    """The narrowest schema kind of one JSON value ("null", "list[]" for an empty list)."""
-    if value is None:
-        return "null"
-    scalar = _SCALAR.get(type(value))
-    if scalar is not None:
-        return scalar
-    if type(value) is list:
-        elements = {_SCALAR.get(type(x), "other") for x in value}
-        if not elements:
-            return "list[]"
-        if elements == {"int", "float"}:
-            return "list[float]"
-        if len(elements) == 1 and "other" not in elements:
-            return f"list[{elements.pop()}]"
-        return "list"
-    return "an object" if isinstance(value, dict) else "any"
-
-
-def _merge(a: str, b: str) -> str | None:
-    """The kind that holds both, or None when they conflict (a drift in the inferred lines)."""
-    if a == b:
-        return a
-    if {a, b} == {"int", "float"}:
-        return "float"
-    if a.startswith("list") and b.startswith("list"):
-        if "list[]" in (a, b):
-            return b if a == "list[]" else a
-        if {a, b} == {"list[int]", "list[float]"}:
-            return "list[float]"
-        if "list" in (a, b):
-            return "list"
-    return None
-
-
-def _hint(field: str, kinds: Collection[str]) -> str:
-    if "null" in kinds:
-        return (f"fill the nulls when writing the file, or pass schema={{{field!r}: 'any'}} to get "
-                "the field as an object column")
-    return (f"fix the data, or pass schema={{{field!r}: 'any'}} (an object column) or the one "
-            "type you want")
 
 
 def _line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -155,7 +80,7 @@ def _foreign(path: str) -> str:
     return f" It looks like {what}, not JSON Lines."
 
 
-class JsonlSource:
+class JsonlSource(FileHandles):
     """One JSON object per line; files are concatenated in order into one record numbering.
 
     `schema` maps each field (nested keys joined with "/") to one of `KINDS`; without it, the
@@ -169,6 +94,8 @@ class JsonlSource:
     Each file's identity (inode, size, mtime) is checked after every read: a file rewritten
     under a running job is a `SourceError` naming it.
     """
+
+    _transient = ("_fds", "_lock", "_checks")
 
     def __init__(self, paths: Paths, ragged: Collection[str] = (), *,
                  schema: Mapping[str, str] | None = None,
@@ -184,7 +111,7 @@ class JsonlSource:
         self._lock = threading.Lock()
         self._what = repr(self)  # as_indices names the source; repr is too slow per read
         if schema is not None:
-            self.schema = self._validate_schema(schema)
+            self.schema = validate_schema(schema)
             self._schema_origin = "the schema given to JsonlSource"
         else:
             if isinstance(infer_records, bool) or not isinstance(infer_records, int) \
@@ -210,17 +137,6 @@ class JsonlSource:
         log.debug("%r: %d records, schema %s", self, len(self), self.schema)
 
     # --- schema --------------------------------------------------------------------------------
-    @staticmethod
-    def _validate_schema(schema: Mapping[str, str]) -> dict[str, str]:
-        if not isinstance(schema, Mapping) or not schema:
-            raise ValueError("JsonlSource: schema must be a non-empty dict of field -> type, e.g. "
-                             "{'text': 'str', 'label': 'int'}; types: " + ", ".join(KINDS))
-        bad = {k: v for k, v in schema.items() if not isinstance(k, str) or v not in KINDS}
-        if bad:
-            raise ValueError(f"JsonlSource: schema entries {bad} are not field name -> one of "
-                             f"{list(KINDS)} (nested fields are named 'outer/inner').")
-        return dict(schema)
-
     def _infer(self, count: int) -> dict[str, str]:
         """Fields of the first line that parses; kinds of the first `count` lines, widened where
         they agree (int and float -> float). Lines that disagree with the first (another type,
@@ -252,11 +168,11 @@ class JsonlSource:
             for name, value in flat.items():
                 if name not in keys:
                     continue
-                kind = _kind_of(value)
+                kind = kind_of(value)
                 if kind == "null":
                     odd.append(f"{self._where(record)}: field {name!r} is null")
                     continue
-                merged = _merge(kinds[name], kind) if name in kinds else kind
+                merged = merge(kinds[name], kind) if name in kinds else kind
                 if merged is None:
                     odd.append(f"{self._where(record)}: field {name!r} is {kind} but "
                                f"{self._where(first_seen[name])} has it {kinds[name]}")
@@ -287,7 +203,7 @@ class JsonlSource:
     def _compile(self) -> None:
         self._keys = frozenset(self.schema)
         self._nested = any("/" in k for k in self.schema)
-        self._checks = [(k, kind, _checker(kind)) for k, kind in self.schema.items() if kind != "any"]
+        self._checks = [(k, kind, checker(kind)) for k, kind in self.schema.items() if kind != "any"]
 
     def _fields_error(self, record: int, flat: Mapping[str, Any], schema: Mapping[str, str],
                       origin: str) -> DecodeError:
@@ -312,13 +228,13 @@ class JsonlSource:
         for name, kind, ok in self._checks:
             value = flat[name]
             if not ok(value):
-                got = _kind_of(value)
+                got = kind_of(value)
                 got = "an empty list" if got == "list[]" else got
                 raise DecodeError(
-                    f"{self._where(record)}: field {name!r} is {got} ({_short(value)}) but "
+                    f"{self._where(record)}: field {name!r} is {got} ({short(value)}) but "
                     f"{self._schema_origin} says {kind}. A field must keep one type in every "
                     f"line, or a column's dtype would depend on which lines a read touched; "
-                    f"{_hint(name, (got,))}.")
+                    f"{hint(name, (got,))}.")
         return flat
 
     # --- files ---------------------------------------------------------------------------------
@@ -326,17 +242,9 @@ class JsonlSource:
         return len(self._starts)
 
     def __repr__(self) -> str:
-        head = self.paths[0] + (f" (+{len(self.paths) - 1} more)" if len(self.paths) > 1 else "")
-        return f"JsonlSource({head!r})"
+        return f"JsonlSource({self._head()})"
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in ("_fds", "_lock", "_checks"):
-            del state[key]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+    def _reset(self) -> None:
         self._fds = {}
         self._lock = threading.Lock()
         self._compile()
@@ -444,7 +352,3 @@ class JsonlSource:
                               "list[bool]": np.bool_}[kind], copy=False)
         return arr
 
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 40 else text[:37] + "..."

@@ -16,8 +16,8 @@ import logging
 import os
 import threading
 from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,12 +25,13 @@ import numpy as np
 from ..errors import DecodeError, SourceError
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
+from .handles import FileHandles
 from .paths import Paths, expand_paths
 
 log = logging.getLogger(__name__)
 
 
-class ParquetSource:
+class ParquetSource(FileHandles):
     """Rows of Parquet files (concatenated in order) as columns.
 
     Conversion depends on the schema only, never on the values a read happens to touch, so a
@@ -52,6 +53,8 @@ class ParquetSource:
     reader with SIGBUS), and each file's identity (inode, size, mtime) is checked after every read: a file rewritten
     under a running job is a `SourceError`, never rows mixed from two versions.
     """
+
+    _transient = ("_local", "_cache", "_cache_lock", "_pool", "_pid")
 
     def __init__(self, paths: Paths, columns: Sequence[str] | None = None, *,
                  list_lengths: Mapping[str, int] | None = None, cache_row_groups: int = 4,
@@ -138,18 +141,7 @@ class ParquetSource:
         return int(self._group_ends[-1]) if len(self._group_ends) else 0
 
     def __repr__(self) -> str:
-        head = self.paths[0] + (f" (+{len(self.paths) - 1} more)" if len(self.paths) > 1 else "")
-        return f"ParquetSource({head!r}, columns={self.columns})"
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in ("_local", "_cache", "_cache_lock", "_pool", "_pid"):
-            del state[key]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset()
+        return f"ParquetSource({self._head()}, columns={self.columns})"
 
     def read(self, indices: np.ndarray) -> Columns:
         idx = as_indices(indices, len(self), self._what)
