@@ -6,6 +6,9 @@ catch (ValueError, OSError, ...) so existing handlers keep working.
 
 from __future__ import annotations
 
+import numbers
+from typing import Any
+
 
 class ZephonError(Exception):
     """Base class of every error Zephon raises on purpose."""
@@ -29,3 +32,17 @@ class StateError(ZephonError, ValueError):
 
 class WorkerError(ZephonError, RuntimeError):
     """A runner's worker died or raised; the consumer gets this instead of hanging."""
+
+
+def check_positive_int(value: Any, what: str) -> int:
+    """`value` as an int if it is a positive integer (a bool is not); otherwise a PlanError
+    saying that `what` must be one."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise PlanError(f"{what} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of `n`, ascending: the counts that split `n` things evenly (error
+    messages list them as the choices that work)."""
+    return [d for d in range(1, n + 1) if n % d == 0]

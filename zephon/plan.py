@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Iterable, Literal, Mapping as Mapping_, Sequen
 import numpy as np
 
 from zephon.errors import PlanError
+from zephon.jsondoc import json_object
 from zephon.permute import permute
 
 Mapping = Literal["contiguous", "interleaved"]
@@ -139,15 +140,11 @@ class Node:
 
     @staticmethod
     def from_json(obj: dict[str, Any] | str) -> "Node":
-        if isinstance(obj, str):
-            try:
-                obj = json.loads(obj)
-            except json.JSONDecodeError as e:
-                raise PlanError(f"plan JSON is not valid ({e}); pass what Node.to_json() or "
-                                "canonical_json() wrote.") from None
-        if not isinstance(obj, dict):
-            raise PlanError(f"a plan node is a JSON object with a 'type', got {type(obj).__name__}")
-        obj = dict(obj)
+        obj = dict(json_object(
+            obj,
+            lambda e: PlanError(f"plan JSON is not valid ({e}); pass what Node.to_json() or "
+                                "canonical_json() wrote."),
+            lambda kind: PlanError(f"a plan node is a JSON object with a 'type', got {kind}")))
         kind = obj.pop("type", None)
         cls = Node._registry.get(kind or "")
         if cls is None:
@@ -577,12 +574,12 @@ class Lanes(Node, kind="Lanes"):
 
 
 def check_degree(lanes: int, world: int) -> None:
-    if isinstance(world, bool) or not isinstance(world, (int, np.integer)) or world < 1:
-        raise PlanError(f"the data-parallel degree must be a positive integer, got {world!r}")
+    from zephon.errors import check_positive_int, divisors
+
+    world = check_positive_int(world, "the data-parallel degree")
     if lanes % world:
-        good = [d for d in range(1, lanes + 1) if lanes % d == 0]
         raise PlanError(f"lanes={lanes} is not divisible by the data-parallel degree {world}; "
-                        f"run with a degree in {good}, or build the plan with a lane count that "
+                        f"run with a degree in {divisors(lanes)}, or build the plan with a lane count that "
                         f"every degree you will use divides (e.g. lanes={math.lcm(lanes, world)}).")
 
 
