@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zephon.errors import StateError
+from zephon.jsondoc import json_object
 
 #: The newest state format this Zephon reads and writes (`"zephon_state"` in every state).
 STATE_VERSION = 2
@@ -215,13 +216,11 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise StateError(f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
                          f"{e.start}), so it is not a loader state written by save_state; pass "
                          "the right file, or restore an earlier checkpoint.") from None
-    try:
-        state = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise StateError(f"loader state {name} is not valid JSON ({e}); the file is corrupt — "
-                         "restore an earlier checkpoint.") from e
-    if not isinstance(state, dict):
-        raise StateError(f"loader state {name} holds a JSON {type(state).__name__}, not an "
-                         "object; pass the file save_state(path, loader.state()) wrote.")
+    state = json_object(
+        text,
+        lambda e: StateError(f"loader state {name} is not valid JSON ({e}); the file is corrupt — "
+                             "restore an earlier checkpoint."),
+        lambda kind: StateError(f"loader state {name} holds a JSON {kind}, not an object; pass "
+                                "the file save_state(path, loader.state()) wrote."))
     check_state_version(state, f"loader state {name}")
     return state
