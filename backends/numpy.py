@@ -13,7 +13,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from zephon.errors import PlanError
+from zephon.errors import PlanError, check_positive_int, divisors
 from zephon.exec.loader import Loader, LocalBatch
 
 
@@ -55,14 +55,12 @@ def _cut(tree: Any, start: int, stop: int) -> Any:
 
 def check_micro_count(n: Any, rows: int, what: str = "this process's batch") -> int:
     """`n` as an int, if it splits `rows` rows evenly; otherwise a PlanError listing those that do."""
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise PlanError(f"micro_batches(n) needs a positive integer n, got {n!r}")
+    n = check_positive_int(n, "n of micro_batches(n)")
     if rows % n:
-        fits = [d for d in range(1, rows + 1) if rows % d == 0]
         raise PlanError(f"micro_batches({n}) cannot split the {rows} rows of {what} into equal "
-                        f"micro-batches; use n in {fits} (a micro-batch count that divides the "
-                        "rows every data-parallel rank holds).")
-    return int(n)
+                        f"micro-batches; use n in {divisors(rows)} (a micro-batch count that divides "
+                        "the rows every data-parallel rank holds).")
+    return n
 
 
 def micro_batches(batch: LocalBatch | Mapping[str, Any], n: int) -> list[NumpyBatch]:
