@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from zephon.columns import to_columns
 from zephon.errors import DecodeError, PlanError, StateError
 from zephon.permute import splitmix64
 from zephon.plan import Refs
@@ -134,20 +135,11 @@ class Transform(Operator):
                                   "apply(cols, refs, seed) -> (cols, rows)")
 
 
-def to_records(cols: Columns) -> list[Record]:
-    n = len(next(iter(cols.values()))) if cols else 0
-    return [{k: v[i] for k, v in cols.items()} for i in range(n)]
-
-
 def stack_records(records: list[Record], template: Columns | None = None) -> Columns:
-    """Stacks per-record dicts into columns with the sources' rule (`stack_values`): numbers and
-    equal-shape numeric arrays stack, anything else (text, bytes, ragged) is an object array, so a
-    column's dtype never depends on which records one step happened to hold."""
-    from zephon.sources.spec import stack_values
-
-    if not records:
-        return {k: v[:0] for k, v in (template or {}).items()}
-    return {k: stack_values([r[k] for r in records]) for k in records[0]}
+    """A row operator's output records as columns, by the one rule of `zephon.columns` (so a
+    column's dtype never depends on which records one step happened to hold); no records:
+    `template`'s columns, empty."""
+    return to_columns(records, template=template)
 
 
 def record_seeds(seed: int, refs: Refs) -> np.ndarray:

@@ -13,7 +13,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from zephon.errors import PlanError
-from zephon.ops.base import Transform, call_on_record, stack_records, to_records
+from zephon.columns import to_records
+from zephon.ops.base import Transform, call_on_record, stack_records
 from zephon.plan import Refs
 from zephon.sources.base import Columns
 

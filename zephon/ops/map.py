@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 
-from zephon.ops.base import (Transform, call_on_record, record_rng, record_seeds, stack_records,
-                             to_records)
+from zephon.columns import to_records
+from zephon.ops.base import Transform, call_on_record, record_rng, record_seeds, stack_records
 from zephon.plan import Refs
 from zephon.sources.base import Columns
 

@@ -27,7 +27,7 @@ from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
 from .jsonl_schema import KINDS, checker, hint, kind_of, merge, short, validate_schema
 from .paths import Paths, expand_paths
-from .spec import _objects, flatten_dict, stack_values
+from ..columns import flatten as flatten_dict, objects as _objects, stack as stack_values
 
 __all__ = ["INFER_RECORDS", "KINDS", "JsonlSource"]
 

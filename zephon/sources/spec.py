@@ -8,11 +8,12 @@ describes the i-th record of the read (file, shard, record number), so every err
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
 import numpy as np
 
+from ..columns import to_columns
 from ..errors import DecodeError
 from .base import Columns
 
@@ -119,8 +120,8 @@ class Decoder:
 
     This is the per-record escape hatch (protos, msgpack, images); prefer FixedFields when the
     layout is fixed, because it decodes a whole read without Python work per record. Name
-    variable-length fields in `ragged` so they are object arrays in every read (see
-    `rows_to_columns`).
+    variable-length fields in `ragged` so they are object arrays in every read (the rule is
+    `zephon.columns`).
     """
 
     def __init__(self, fn: Callable[[bytes], Mapping[str, Any]],
@@ -143,63 +144,4 @@ class Decoder:
                 raise DecodeError(f"{locate(i)}: {self!r} returned {type(row).__name__}; a decoder "
                                   "must return a dict of field name -> value.")
             rows.append(row)
-        return rows_to_columns(rows, locate, self.ragged)
-
-
-def rows_to_columns(rows: Sequence[Mapping[str, Any]], locate: Locate,
-                    ragged: Collection[str] = ()) -> Columns:
-    """Stacks per-record dicts (nested keys joined with '/') into columns.
-
-    Every record must have the same fields: filling a missing one would change a column's dtype
-    depending on which records a read happened to touch, and so on the number of ranks. For the
-    same reason, fields a schema declares variable-size (`ragged`) are always object arrays, even
-    when the rows of one read happen to agree in shape.
-    """
-    flat = [flatten_dict(row) for row in rows]
-    if not flat:
-        return {}
-    keys = list(flat[0])
-    unknown = sorted(set(ragged) - set(keys))
-    if unknown:
-        raise DecodeError(f"{locate(0)}: ragged names {unknown}, which the record does not have "
-                          f"(it has {sorted(keys)}); fix the names given to `ragged`.")
-    for i, row in enumerate(flat):
-        if row.keys() != flat[0].keys():
-            raise DecodeError(f"{locate(i)}: has fields {sorted(row)} but {locate(0)} has "
-                              f"{sorted(keys)}; every record of a source must have the same "
-                              "fields.")
-    columns = {}
-    for k in keys:
-        values = [row[k] for row in flat]
-        columns[k] = _objects(values) if k in ragged else stack_values(values)
-    return columns
-
-
-def stack_values(values: Sequence[Any]) -> np.ndarray:
-    """Numbers and equal-shape numeric arrays stack into one ndarray; anything else (text, bytes,
-    ragged lists) becomes an object array holding the values unchanged. Rows that are all empty
-    lists stay objects: numpy would call them float64 and poison integer token streams."""
-    try:
-        arr = np.asarray(values)
-    except (ValueError, TypeError):  # ragged nesting
-        arr = None
-    if arr is not None and arr.dtype.kind in "biufc" and arr.shape[:1] == (len(values),) \
-            and (arr.size or arr.ndim == 1):
-        return arr
-    return _objects(values)
-
-
-def _objects(values: Sequence[Any]) -> np.ndarray:
-    # fromiter, unlike np.array, never descends into list or array values.
-    return np.fromiter(values, dtype=object, count=len(values))
-
-
-def flatten_dict(row: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a/b': 1}: nested features become flat column names."""
-    out: dict[str, Any] = {}
-    for key, value in row.items():
-        if isinstance(value, Mapping):
-            out.update(flatten_dict(value, f"{prefix}{key}/"))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+        return to_columns(rows, locate, self.ragged)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import DecodeError, SourceError
 from .base import Columns, as_indices
-from .spec import flatten_dict, rows_to_columns
+from ..columns import flatten as flatten_dict, to_columns as rows_to_columns
 
 
 class TFDSSource:
