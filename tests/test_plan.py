@@ -191,3 +191,44 @@ def test_node_kinds_are_explicit_and_collisions_refused():
         type("Mix", (N,), {"__module__": "someone.else"})
     p = Source(10).repeat().lanes(2).batch(4)
     assert Node.from_json(p.to_json()) == p
+
+
+def test_refs_extra_columns_ride_through_every_core_node():
+    """A node may add extra columns to the references it resolves (Grain's index tags do);
+    every core node carries them, and rows from a child without the column get -1."""
+    from dataclasses import dataclass
+
+    from zephon.plan import PassThrough, Refs
+
+    @dataclass(frozen=True)
+    class Tagged(PassThrough, kind="tests.test_plan.Tagged"):
+        child: Node
+
+        def _resolve(self, pos, epoch):
+            return self.child._resolve(pos, epoch).with_extra("tag", pos * 100 + epoch)
+
+    a, b = Tagged(Source(5, 0)), Source(7, 1)
+
+    def check(refs, n):
+        mine = refs.source == 0
+        assert len(refs) == n and ("tag" in refs.extra) == mine.any()
+        tag = refs.extra.get("tag", np.full(n, -1))
+        assert tag.shape == (n,) and (tag[~mine] == -1).all()
+        assert np.array_equal(tag[mine], refs.record[mine] * 100 + refs.epoch[mine])
+
+    mix = Mix((a, b), (1.0, 2.0))
+    for node in (a.shuffle(3), a.repeat(3), a.repeat().slice(2, 40, 3), mix, mix.shuffle(1).repeat(),
+                 Mix((a.shuffle(4).repeat(), b.repeat()), (2.0, 1.0))):
+        n = min(12, node.length or 12)
+        check(node.resolve(np.arange(n)), n)
+    for plan in (mix.shuffle(1).repeat().lanes(4).batch(8), Mix((a.repeat(), b.repeat()), (1.0, 1.0)).lanes(2).batch(4),
+                 a.repeat().lanes(2, "interleaved").batch(4)):
+        for step in (0, 3):
+            check(plan.refs(step), plan.size)
+        lanes = plan.lanes
+        for i in range(4):
+            check(lanes.resolve_lanes(np.arange(lanes.count), np.full(lanes.count, i)), lanes.count)
+    refs = a.resolve(np.arange(5))
+    check(refs.take(np.array([4, 1])), 2)
+    check(Refs.concat([refs, b.resolve(np.arange(3)), refs.take(slice(1, 3))]), 10)
+    assert not b.resolve(np.arange(3)).extra

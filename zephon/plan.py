@@ -34,21 +34,40 @@ _FOREVER_EPOCH_STRIDE = 1 << 32  # epochs of an outer pass around a forever-repe
 
 @dataclass(frozen=True)
 class Refs:
-    """Record references, one per position: which source, which record, which epoch."""
+    """Record references, one per position: which source, which record, which epoch.
+
+    `extra` holds optional further int64 columns, one value per position, that a node adds while
+    resolving (e.g. Grain's element index at some depth of a pipeline, `grain_index/<tag>`).
+    They ride along through every node, filter (`take`) and merge (`concat`, mixes); a row that
+    comes from a part without a column gets `EXTRA_FILL`.
+    """
 
     source: np.ndarray
     record: np.ndarray
     epoch: np.ndarray
+    extra: Mapping_[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    EXTRA_FILL: ClassVar[int] = -1
 
     def __len__(self) -> int:
         return len(self.record)
 
     def take(self, idx: np.ndarray | slice) -> "Refs":
-        return Refs(self.source[idx], self.record[idx], self.epoch[idx])
+        return Refs(self.source[idx], self.record[idx], self.epoch[idx],
+                    {k: v[idx] for k, v in self.extra.items()})
+
+    def with_extra(self, name: str, values: np.ndarray) -> "Refs":
+        """These references with column `name` added (or replaced)."""
+        return Refs(self.source, self.record, self.epoch, {**self.extra, name: values})
 
     @staticmethod
     def concat(parts: Sequence["Refs"]) -> "Refs":
-        return Refs(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("source", "record", "epoch")))
+        names = sorted({k for p in parts for k in p.extra})
+        extra = {k: np.concatenate([p.extra[k] if k in p.extra else
+                                    np.full(len(p), Refs.EXTRA_FILL, np.int64) for p in parts])
+                 for k in names}
+        return Refs(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("source", "record", "epoch")),
+                    extra)
 
 
 def _positions(pos: np.ndarray | Sequence[int] | int) -> np.ndarray:
@@ -416,15 +435,20 @@ class Mix(Node, kind="Mix"):
 
 def _gather_children(children: Sequence[Node], which: np.ndarray, inner: np.ndarray,
                      epoch: np.ndarray) -> Refs:
+    """Row i is child `which[i]`'s reference at (`inner[i]`, `epoch[i]`); extra columns merge
+    (rows of a child without one get `Refs.EXTRA_FILL`)."""
     src = np.empty_like(inner)
     rec = np.empty_like(inner)
     ep = np.empty_like(inner)
+    extra: dict[str, np.ndarray] = {}
     for i, c in enumerate(children):
         m = np.flatnonzero(which == i)
         if m.size:
             r = c._resolve(inner[m], epoch[m])
             src[m], rec[m], ep[m] = r.source, r.record, r.epoch
-    return Refs(src, rec, ep)
+            for k, v in r.extra.items():
+                extra.setdefault(k, np.full(inner.shape, Refs.EXTRA_FILL, np.int64))[m] = v
+    return Refs(src, rec, ep, extra)
 
 
 @dataclass(frozen=True)
