@@ -301,7 +301,7 @@ def test_filter_pipelines_resume_in_process_and_workers_must_split_the_lanes(mon
                             num_workers=4)
     # a plain DataLoader cannot join its workers' parts of a step: refused inside worker 0 of 2
     # (faked: torch takes 5 s per worker to tear down workers whose dataset raised)
-    monkeypatch.setattr(tb, "get_worker_info", lambda: SimpleNamespace(id=0, num_workers=2))
+    monkeypatch.setattr(tb.dataset, "get_worker_info", lambda: SimpleNamespace(id=0, num_workers=2))
     with pytest.raises(PlanError, match="use ZephonDataLoader"):
         next(iter(tb.ZephonIterableDataset(plan(), make_source(), transforms)))
     monkeypatch.undo()

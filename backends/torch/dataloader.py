@@ -1,0 +1,166 @@
+"""`ZephonDataLoader`: a torch `DataLoader` with the StatefulDataLoader convention.
+
+It counts the batches it *handed to the training loop* (not those prefetched by workers), so its
+`state_dict()` resumes exactly after the last batch the model saw. Its workers also run pipelines
+that change the number of records (filters, packing): each takes a block of the rank's lanes
+(`ZephonIterableDataset.worker_rank`), and the loader joins their rows of every step
+(`join_parts`) and merges their lanes' positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, get_worker_info
+
+from zephon.backends.torch.batch import TorchBatch, _can_pin
+from zephon.backends.torch.dataset import WorkerPart, ZephonIterableDataset
+from zephon.errors import PlanError, StateError
+
+log = logging.getLogger(__name__)
+
+
+class _MarkParts:
+    """worker_init_fn of a ZephonDataLoader: makes the worker's dataset copy yield `WorkerPart`s,
+    then calls the user's worker_init_fn. Module-level, so spawned workers can unpickle it."""
+
+    def __init__(self, user_fn: Any = None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        get_worker_info().dataset._parts = True
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def join_parts(parts: Sequence[WorkerPart], per_lane: int, pin: bool = False) -> TorchBatch:
+    """The rows of all parts, in lane order (one concatenation per field)."""
+    if len(parts) == 1 and not pin:
+        return TorchBatch(parts[0].data)
+    lanes = np.concatenate([np.asarray(p.lanes, np.int64) for p in parts])
+    order = np.argsort(lanes, kind="stable")
+    rows = None
+    if np.any(order != np.arange(len(order))):  # an interleaved mapping: workers hold every W-th lane
+        rows = (order[:, None] * per_lane + np.arange(per_lane)).ravel()
+    out: dict[str, Any] = {}
+    for k in parts[0].data:
+        vs = [p.data[k] for p in parts]
+        if isinstance(vs[0], torch.Tensor):
+            shape = (sum(v.shape[0] for v in vs),) + tuple(vs[0].shape[1:])
+            joined = torch.empty(shape, dtype=vs[0].dtype, pin_memory=pin and rows is None)
+            torch.cat(vs, out=joined)
+            if rows is not None:
+                joined = joined[torch.from_numpy(rows)]
+                if pin:
+                    joined = joined.pin_memory()
+        else:
+            joined = np.concatenate(vs)
+            if rows is not None:
+                joined = joined[rows]
+        out[k] = joined
+    return TorchBatch(out)
+
+
+class ZephonDataLoader(DataLoader):
+    """A `DataLoader` over a `ZephonIterableDataset` with StatefulDataLoader-style state.
+
+    `state_dict()` describes the batches handed to the training loop, not those workers have
+    prefetched; `load_state_dict()` makes the next `iter()` continue from there. Iterating again
+    continues where the last iteration stopped: a Zephon plan spans all epochs (use
+    `.repeat(epochs)`; each epoch is reshuffled), so the loader is a cursor over global steps.
+
+    With `num_workers=W > 0`, a one-to-one pipeline is split by step (worker w computes steps
+    `start+w, start+w+W, ...`); a count-changing one (filter, flat map, packing) by lanes: worker
+    w runs the w-th of W equal blocks of this rank's lanes (W must divide them) and reports their
+    position with its rows; this loader joins the W parts of each step in lane order and keeps
+    the merged position of the last batch it handed out. The batches are the same for every W.
+
+    Batch-shaping options (`batch_size`, `sampler`, `collate_fn`, ...) do not exist: the plan
+    decides batches. Workers are never persistent, so each `iter()` starts them at the cursor,
+    and results stay in order.
+    """
+
+    def __init__(self, dataset: ZephonIterableDataset, *, num_workers: int = 0,
+                 pin_memory: bool = False, timeout: float = 0, worker_init_fn: Any = None,
+                 multiprocessing_context: Any = None, prefetch_factor: int | None = None) -> None:
+        if not isinstance(dataset, ZephonIterableDataset):
+            raise PlanError(f"ZephonDataLoader needs a ZephonIterableDataset, got "
+                            f"{type(dataset).__name__}; wrap your plan and sources in one.")
+        parts = num_workers > 0 and not dataset.one_to_one
+        if parts:
+            dataset.worker_rank(0, num_workers)  # refuses a lane count the workers cannot split
+            worker_init_fn = _MarkParts(worker_init_fn)
+        super().__init__(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+                         timeout=timeout, worker_init_fn=worker_init_fn,
+                         multiprocessing_context=multiprocessing_context,
+                         prefetch_factor=prefetch_factor, persistent_workers=False, in_order=True)
+        self._joins_parts = parts
+        self._consumed = 0  # batches handed out by the newest iteration (one-to-one, or in-process)
+        self._position: dict[str, Any] | None = None  # after the last joined batch (parts)
+        self._generation = 0
+
+    def _current(self) -> dict[str, Any]:
+        """Position after the last batch handed out."""
+        if self._position is not None:
+            return self._position
+        return self.dataset.position_after(self._consumed)  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:  # type: ignore[override]
+        ds: ZephonIterableDataset = self.dataset  # type: ignore[assignment]
+        if self._consumed or self._position is not None:
+            ds.continue_from(self._current())
+            self._consumed, self._position = 0, None
+        if ds.one_to_one and ds.plan.num_steps is not None and len(ds) == 0:
+            log.warning("ZephonDataLoader is at the end of its plan (%d global batches): nothing "
+                        "is left to yield. Build the plan with .repeat(epochs) to train longer, or "
+                        "load_state_dict() an earlier state to replay.", ds.plan.num_steps)
+        self._generation += 1
+        if self._joins_parts:
+            return self._joined(super().__iter__(), self._generation, ds.start_step)
+        return self._counted(super().__iter__(), self._generation)
+
+    def _superseded(self, generation: int) -> None:
+        if generation != self._generation:
+            raise StateError("this ZephonDataLoader iterator was superseded by a newer iter() or "
+                             "load_state_dict(); state_dict() follows the newest one only, so "
+                             "consume one iterator at a time.")
+
+    def _counted(self, batches: Iterator[dict[str, Any]], generation: int) -> Iterator[dict[str, Any]]:
+        for batch in batches:
+            self._superseded(generation)
+            self._consumed += 1
+            yield batch
+
+    def _joined(self, parts: Iterator[WorkerPart], generation: int, step: int) -> Iterator[dict[str, Any]]:
+        workers = self.num_workers
+        pin = self.pin_memory and _can_pin()
+        per_lane = self.dataset.plan.per_lane  # type: ignore[attr-defined]
+        while True:
+            group: list[WorkerPart] = []
+            for w in range(workers):
+                part = next(parts, None)
+                if part is None or part.step != step or part.worker != w:
+                    # the plan ended: a worker whose lanes ran out stopped, and DataLoader goes
+                    # on with the others; the step is incomplete, as it is for one loader
+                    return
+                group.append(part)
+            self._superseded(generation)
+            batch = join_parts(group, per_lane, pin)
+            self._position = {"step": step + 1,
+                              "lanes": {k: v for p in group for k, v in p.position["lanes"].items()}}
+            step += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The Zephon state after the last batch handed out (see the module doc)."""
+        return self.dataset.state_from(self._current())  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The next `iter()` continues after the batches `state` had handed out (a state of any
+        emitter, saved at any data-parallel degree; merge every rank's with `merge_states`)."""
+        self.dataset.restore(state)  # type: ignore[attr-defined]
+        self._consumed, self._position = 0, None
+        self._generation += 1

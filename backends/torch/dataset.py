@@ -1,0 +1,199 @@
+"""`ZephonIterableDataset`: global batches as a torch `IterableDataset`, for `DataLoader`.
+
+With `num_workers=W > 1` and a one-to-one pipeline, worker `w` computes steps `start+w,
+start+w+W, ...`; DataLoader fetches from workers round-robin and returns results in order, so
+the sequence is unchanged. Under `ZephonDataLoader` (`zephon.backends.torch.dataloader`) a
+count-changing pipeline's workers each run a block of the rank's lanes and yield `WorkerPart`s.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch.distributed as dist
+from torch.utils.data import IterableDataset, get_worker_info
+
+from zephon.backends.torch.batch import Emitter
+from zephon.backends.torch.loader import Sources
+from zephon.backends.torch.placement import data_parallel
+from zephon.backends.torch.state import seek_position, state_document
+from zephon.errors import PlanError, StateError
+from zephon.exec.loader import Loader
+from zephon.ops.base import Transform
+from zephon.plan import Batch
+from zephon.runners.base import Runner
+
+
+@dataclass
+class WorkerPart:
+    """What a DataLoader worker of `ZephonDataLoader` yields for a count-changing pipeline: its
+    lanes' rows of global batch `step` and those lanes' position after it."""
+
+    step: int
+    worker: int
+    lanes: list[int]
+    data: dict[str, Any]
+    position: dict[str, Any]
+
+    def pin_memory(self) -> "WorkerPart":
+        return self  # pinned once, after the parts are concatenated (`ZephonDataLoader`)
+
+
+class ZephonIterableDataset(IterableDataset):
+    """Global batches as an `IterableDataset`, for `DataLoader(dataset, batch_size=None)`.
+
+    Every `iter()` starts at the dataset's start position (`start_step`, or what `restore` set),
+    so the dataset is re-iterable like any torch dataset; `ZephonDataLoader` moves that start as
+    batches are consumed. Rank and world are fixed at construction, in the process that
+    initialised `torch.distributed`, never in a worker.
+
+    Pipelines that keep one output per input (random access by step): in DataLoader worker `w`
+    of `W` the dataset yields steps `start+w, start+w+W, ...`, and DataLoader's in-order
+    round-robin fetching returns exactly steps `start, start+1, ...`.
+
+    Count-changing pipelines (filters, flat maps, packing) cannot be split by step: each lane
+    advances sequentially. Under `ZephonDataLoader`, worker `w` of `W` runs a block of the lanes
+    this rank owns instead (`worker_rank`) and yields its rows of every step with its lanes'
+    position (`WorkerPart`); `ZephonDataLoader` joins the `W` parts of each step. A plain
+    DataLoader cannot join them, so it gets such a pipeline with `num_workers <= 1` only.
+
+    Keep `in_order=True` (the default) with workers. A `runner` runs inside whichever process
+    iterates; other keyword arguments go to `zephon.Loader`.
+    """
+
+    def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Transform] = (), *,
+                 seed: int = 0, rank: int | None = None, world: int | None = None,
+                 group: "dist.ProcessGroup | None" = None, runner: Runner | None = None, start_step: int = 0,
+                 dtypes: Mapping[str, Any] | None = None, **loader_options: Any) -> None:
+        self.plan, self.sources, self.transforms = plan, sources, tuple(transforms)
+        self.loader_options = loader_options
+        self.seed, self.runner = int(seed), runner
+        self.rank, self.world = data_parallel(rank, world, group)
+        self.emitter = Emitter.make(dtypes)
+        main = self._loader(start_step)
+        self.one_to_one = main.random_access
+        self._main: Loader | None = main  # builds states and checks restores; never iterated
+        self._start: dict[str, Any] = main.position()
+        self._live: Loader | None = None  # the main-process loader of the newest iter()
+        self._parts = False  # set in the workers of a ZephonDataLoader (count-changing pipelines)
+
+    def _loader(self, start_step: int = 0, runner: Runner | None = None, rank: int | None = None,
+                world: int | None = None) -> Loader:
+        """A loader at `start_step`; only iterating ones get the runner (closing a loader closes it)."""
+        return Loader(self.plan, self.sources, self.transforms, seed=self.seed,
+                      rank=self.rank if rank is None else rank, world=self.world if world is None else world,
+                      runner=runner, start_step=start_step, **self.loader_options)
+
+    def _main_loader(self) -> Loader:
+        if self._main is None:
+            self._main = self._loader()
+        return self._main
+
+    def __getstate__(self) -> dict[str, Any]:
+        # live loaders hold generators, and workers build their own
+        return {**self.__dict__, "_live": None, "_main": None}
+
+    @property
+    def start_step(self) -> int:
+        return int(self._start["step"])
+
+    def worker_rank(self, worker: int, workers: int) -> tuple[int, int]:
+        """(rank, world) of a Loader over worker `worker`'s block of this rank's lanes.
+
+        The rank's lanes split into `workers` equal blocks; with the plan's lane mapping each is
+        the lanes of a rank at degree `world × workers`: contiguous blocks for a contiguous
+        mapping, every `workers`-th owned lane for an interleaved one.
+        """
+        lanes = self.plan.lanes
+        owned = lanes.count // self.world
+        if workers < 1 or owned % workers:
+            fits = [w for w in range(1, owned + 1) if owned % w == 0]
+            raise PlanError(
+                f"num_workers={workers} cannot split the {owned} lanes rank {self.rank} owns "
+                f"(lanes={lanes.count}, world={self.world}) evenly, and a pipeline that changes "
+                "the number of records splits its work among DataLoader workers by lanes. Use "
+                f"num_workers in {fits} (or 0), or a plan whose lane count is a multiple of "
+                f"world x num_workers (lanes={math.lcm(lanes.count, self.world * max(1, workers))}; "
+                "another lane count is another plan: its batches differ).")
+        if lanes.mapping == "contiguous":
+            return self.rank * workers + worker, self.world * workers
+        return self.rank + worker * self.world, self.world * workers
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Future iterations start after the batches `state` had yielded: a state of any
+        emitter (`state_dict()`, `Loader.state()`, ...) saved at any data-parallel degree."""
+        main = self._main_loader()
+        main.restore(state)  # checks plan, seed, pipeline and lanes
+        self._start = main.position()
+
+    def continue_from(self, position: Mapping[str, Any]) -> None:
+        """Future iterations start at `position` (a position this job's loaders reported)."""
+        self._start = copy.deepcopy(dict(position))
+
+    def state_from(self, position: Mapping[str, Any]) -> dict[str, Any]:
+        """The state document (torch's `state_dict()` form) at `position`."""
+        main = self._main_loader()
+        return state_document(main.state_from(position), main)
+
+    def position_after(self, consumed: int) -> dict[str, Any]:
+        """Position after `consumed` batches of the newest iteration (in this process)."""
+        if consumed == 0:
+            return self._start
+        target = self.start_step + consumed
+        if self.one_to_one:
+            main = self._main_loader()
+            main.seek(target)
+            return main.position()
+        live = self._live
+        if live is None or live.step != target:
+            raise StateError(f"the position after {consumed} batches of a pipeline that changes the "
+                             "number of records is known only to the loaders that produced them; "
+                             "iterate with ZephonDataLoader, which collects it from its workers.")
+        return copy.deepcopy(live.position())
+
+    def state_after(self, consumed: int) -> dict[str, Any]:
+        """State after `consumed` batches of the newest iteration (torch's `state_dict()` form)."""
+        return self.state_from(self.position_after(consumed))
+
+    def __len__(self) -> int:
+        """Batches left from the start state (only for finite plans of one-to-one pipelines)."""
+        n = self.plan.num_steps
+        if n is None or not self.one_to_one:
+            raise TypeError("this Zephon dataset has no length: its plan repeats forever or its "
+                            "pipeline changes the number of records.")
+        return max(0, n - self.start_step)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        workers = 1 if info is None else info.num_workers
+        if self._parts and not self.one_to_one:
+            yield from self._iter_parts(info.id, workers)
+            return
+        loader = self._loader(runner=self.runner)
+        seek_position(loader, self._start)
+        if workers == 1:
+            if info is None:
+                self._live = loader
+            for batch in loader:
+                yield self.emitter(batch)
+            return
+        if not self.one_to_one:
+            raise PlanError(f"this pipeline changes the number of records, so its lanes advance "
+                            f"sequentially and {workers} DataLoader workers cannot split it by step; "
+                            "use ZephonDataLoader (its workers split the lanes and it joins their "
+                            "rows), or num_workers=0 or 1.")
+        for batch in loader.strided(loader.step + info.id, workers):
+            yield self.emitter(batch)
+
+    def _iter_parts(self, worker: int, workers: int) -> Iterator[WorkerPart]:
+        rank, world = self.worker_rank(worker, workers)
+        loader = self._loader(runner=self.runner, rank=rank, world=world)
+        seek_position(loader, self._start)
+        lanes = [int(l) for l in loader.owned]
+        for batch in loader:
+            # a copy: the part is pickled later, by the queue's feeder thread
+            yield WorkerPart(batch.step, worker, lanes, self.emitter(batch),
+                             copy.deepcopy(loader.position()))

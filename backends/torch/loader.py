@@ -1,0 +1,92 @@
+"""`TorchLoader`: an iterator of `{field: Tensor}` with `state_dict()` / `load_state_dict()`.
+
+Parallelism comes from a Zephon runner; optional `DTensor` output over a device mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from zephon.backends.torch.batch import Emitter
+from zephon.backends.torch.placement import MeshDims, data_parallel, mesh_data_parallel, to_dtensors
+from zephon.backends.torch.state import state_document
+from zephon.errors import PlanError
+from zephon.exec.loader import Loader
+from zephon.ops.base import Transform
+from zephon.plan import Batch
+from zephon.runners.base import Runner
+from zephon.sources.base import RecordSource
+
+Sources = RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource]
+
+
+class TorchLoader:
+    """Global batches as `{field: Tensor}` for a torch training loop, with resumable state.
+
+    Args: as `zephon.Loader`, except that `rank`/`world` default to `torch.distributed`'s (in
+    `group`), or come from `mesh` (then fields are `DTensor`s sharded on dim 0 over
+    `mesh_dims`); plus the `Emitter` options `dtypes`, `pin_memory`, `device`. Other keyword
+    arguments go to `zephon.Loader` (e.g. `read_ahead`). `close()` closes the runner.
+    """
+
+    def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Transform] = (), *,
+                 seed: int = 0, rank: int | None = None, world: int | None = None,
+                 group: "dist.ProcessGroup | None" = None, mesh: Any = None, mesh_dims: MeshDims = None,
+                 runner: Runner | None = None, start_step: int = 0, dtypes: Mapping[str, Any] | None = None,
+                 pin_memory: bool = False, device: str | torch.device | None = None,
+                 **loader_options: Any) -> None:
+        if mesh is not None:
+            if rank is not None or world is not None or group is not None:
+                raise PlanError("pass either mesh or rank/world/group, not both: with a mesh the "
+                                "rows a process loads must be the block its DTensor shard holds.")
+            if plan.lanes.mapping != "contiguous":
+                raise PlanError("DTensor output needs lanes(..., mapping='contiguous'): with "
+                                "'interleaved' a rank's rows are not one contiguous block of dim 0.")
+            rank, world = mesh_data_parallel(mesh, mesh_dims)
+        else:
+            rank, world = data_parallel(rank, world, group)
+        self.loader = Loader(plan, sources, transforms, seed=seed, rank=rank, world=world,
+                             runner=runner, start_step=start_step, **loader_options)
+        self.emitter = Emitter.make(dtypes, pin_memory, device)
+        self._mesh, self._mesh_dims = mesh, mesh_dims
+
+    @property
+    def rank(self) -> int:
+        return self.loader.rank
+
+    @property
+    def world(self) -> int:
+        return self.loader.world
+
+    @property
+    def step(self) -> int:
+        """The next global batch this loader yields."""
+        return self.loader.step
+
+    def __iter__(self) -> "TorchLoader":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        out = self.emitter(next(self.loader))
+        return out if self._mesh is None else to_dtensors(out, self._mesh, self._mesh_dims)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The Zephon state after the last batch this loader yielded (see the module doc)."""
+        return state_document(self.loader.state(), self.loader)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues after the batches `state` had yielded (any emitter's state, saved at any
+        data-parallel degree; merge every rank's with `zephon.merge_states` first)."""
+        self.loader.restore(state)
+
+    def close(self) -> None:
+        self.loader.close()
+
+    def __enter__(self) -> "TorchLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
