@@ -1,0 +1,214 @@
+"""The plan's root: `Lanes` deals a stream into canonical lanes, `Batch` lays them side by side.
+
+Lanes are the unit of state and of data-parallel ownership: rank r of D owns a fixed set of them
+(`check_degree` says which D a plan allows), and global batch k holds `size / lanes` outputs of
+every lane, lane-major, so the global batch is the same for every D. Its own module because this
+is where positions become rows and ranks; the streams below it are `zephon.plan` and
+`zephon.mixing`, and `zephon.plan` re-exports these names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from zephon.errors import PlanError
+from zephon.mixing import Mix, _gather_children
+from zephon.plan import Mapping, Node, Refs, _check_int
+
+
+@dataclass(frozen=True)
+class Lanes(Node, kind="Lanes"):
+    """Deals the stream into `count` canonical lanes: lane l owns positions l, l+count, ...
+
+    Lanes are the unit of state (cursors, accumulators) and of ownership. A data-parallel rank
+    r of D owns lanes [r*L/D, (r+1)*L/D) ("contiguous") or {l : l % D == r} ("interleaved").
+    """
+
+    child: Node
+    count: int
+    mapping: Mapping = "contiguous"
+
+    def __post_init__(self) -> None:
+        _check_int("Lanes.count", self.count, 1)
+        if self.mapping not in ("contiguous", "interleaved"):
+            raise PlanError(f"Lanes.mapping must be 'contiguous' or 'interleaved', got {self.mapping!r}")
+        n = self.child.length if not isinstance(self.child, Mix) else min(
+            (c.length for c in self.child.children if c.length is not None), default=None)
+        if n is not None and n < self.count:
+            raise PlanError(f"{self.count} lanes over a stream of {n} positions leave lanes empty; "
+                            "use fewer lanes or repeat the data.")
+
+    @property
+    def length(self) -> int | None:
+        if self.mixed:
+            n = self.lane_length()
+            return None if n is None else n * self.count
+        return self.child.length
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the child is a Mix, applied inside every lane."""
+        return isinstance(self.child, Mix)
+
+    @property
+    def branches(self) -> tuple[Node, ...]:
+        """Streams the lane engine reads separately: a token Mix's children, else the child."""
+        if isinstance(self.child, Mix) and self.child.by == "tokens":
+            return self.child.children
+        return (self.child,)
+
+    def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
+        if self.mixed:
+            lane, index = np.divmod(pos, self.count)[::-1]
+            return self.resolve_lanes(lane, index)
+        return self.child._resolve(pos, epoch)
+
+    def lane_length(self) -> int | None:
+        """Inputs every lane has (the shortest lane's count); None if infinite."""
+        if isinstance(self.child, Mix):
+            if self.child.by == "tokens":
+                return None
+            return self.child.length_for([None if c.length is None else c.length // self.count
+                                          for c in self.child.children])
+        n = self.child.length
+        return None if n is None else n // self.count
+
+    def branch_length(self, branch: int) -> int | None:
+        """Inputs every lane has of branch `branch` (see `branches`)."""
+        if len(self.branches) == 1:
+            return self.lane_length()
+        n = self.branches[branch].length
+        return None if n is None else n // self.count
+
+    def stream_positions(self, lanes: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """Stream position of input `index` of lane `lanes` (broadcast)."""
+        return np.asarray(index, np.int64) * self.count + np.asarray(lanes, np.int64)
+
+    def batch(self, size: int) -> "Batch":
+        """The plan's root: global batches of `size` rows, `size / count` from every lane."""
+        return Batch(self, size)
+
+    def resolve_lanes(self, lanes: np.ndarray, index: np.ndarray, branch: int = 0) -> Refs:
+        """Record references of input `index` of lane `lanes` (of `branch`; broadcast)."""
+        lanes = np.asarray(lanes, np.int64)
+        index = np.asarray(index, np.int64)
+        lanes, index = np.broadcast_arrays(lanes, index)
+        if len(self.branches) > 1:
+            return self.branches[branch].resolve(self.stream_positions(lanes, index))
+        if isinstance(self.child, Mix):
+            which, inner = self.child.route(index)
+            pos = self.stream_positions(lanes, inner)
+            for i, c in enumerate(self.child.children):
+                n = c.length
+                m = which == i
+                if n is not None and m.any() and pos[m].max() >= n:
+                    raise PlanError(f"input {int(index[m].max())} of a lane is past the end of the mix")
+            return _gather_children(self.child.children, which, pos, np.zeros_like(pos))
+        return self.resolve(self.stream_positions(lanes, index))
+
+    def owned(self, rank: int, world: int) -> np.ndarray:
+        """The lanes data-parallel rank `rank` of `world` owns, in global lane order."""
+        check_degree(self.count, world)
+        if not 0 <= rank < world:
+            raise PlanError(f"rank {rank} is outside [0, {world}) for a data-parallel degree of {world}")
+        if self.mapping == "contiguous":
+            per = self.count // world
+            return np.arange(rank * per, (rank + 1) * per, dtype=np.int64)
+        return np.arange(rank, self.count, world, dtype=np.int64)
+
+
+def check_degree(lanes: int, world: int) -> None:
+    from zephon.errors import check_positive_int, divisors
+
+    world = check_positive_int(world, "the data-parallel degree")
+    if lanes % world:
+        raise PlanError(f"lanes={lanes} is not divisible by the data-parallel degree {world}; "
+                        f"run with a degree in {divisors(lanes)}, or build the plan with a lane count that "
+                        f"every degree you will use divides (e.g. lanes={math.lcm(lanes, world)}).")
+
+
+@dataclass(frozen=True)
+class Batch(Node, kind="Batch"):
+    """The plan's root: global batch k holds size/lanes outputs of every lane, lane-major.
+
+    Row j of batch k is output (k * per_lane + j % per_lane) of lane j // per_lane.
+    """
+
+    child: Lanes
+    size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.child, Lanes):
+            raise PlanError("Batch must wrap a Lanes node: build plans as "
+                            "stream.lanes(L).batch(B) (B divisible by L).")
+        _check_int("Batch.size", self.size, 1)
+        if self.size % self.child.count:
+            raise PlanError(f"batch size {self.size} is not divisible by lanes={self.child.count}; "
+                            f"every lane contributes the same number of rows, so choose a batch "
+                            f"size that is a multiple of {self.child.count}.")
+
+    @property
+    def lanes(self) -> Lanes:  # type: ignore[override]
+        return self.child
+
+    @property
+    def per_lane(self) -> int:
+        return self.size // self.child.count
+
+    @property
+    def length(self) -> int | None:
+        """Number of full global batches (1:1 pipelines); None if infinite."""
+        n = self.child.lane_length()
+        return None if n is None else n // self.per_lane
+
+    num_steps = length
+
+    def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
+        return self.child._resolve(pos, epoch)
+
+    def rows(self, step: int, lanes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(lane, lane output index) of every row of batch `step` that `lanes` own (default all).
+
+        Rows come in global row order restricted to those lanes.
+        """
+        _check_step(step)
+        lanes = np.arange(self.child.count, dtype=np.int64) if lanes is None else np.asarray(lanes, np.int64)
+        b = self.per_lane
+        lane = np.repeat(lanes, b)
+        index = step * b + np.tile(np.arange(b, dtype=np.int64), len(lanes))
+        return lane, index
+
+    def refs(self, step: int, lanes: np.ndarray | None = None) -> Refs:
+        """Record references of batch `step`'s rows (restricted to `lanes`) for 1:1 pipelines."""
+        n = self.length
+        if n is not None and step >= n:
+            raise PlanError(f"step {step} is past the end of the plan ({n} global batches)")
+        if len(self.child.branches) > 1:
+            raise PlanError("a Mix by tokens has no order by position: which record fills a row "
+                            "depends on the token counts before it. Iterate a Loader and use "
+                            "LocalBatch.explain() (or `zephon explain MODULE:FACTORY --step K`).")
+        lane, index = self.rows(step, lanes)
+        return self.child.resolve_lanes(lane, index)
+
+    def explain(self, step: int) -> list[dict[str, int]]:
+        """For every row of global batch `step`: row, lane, source, record, epoch."""
+        lane, _ = self.rows(step)
+        r = self.refs(step)
+        return [{"row": j, "lane": int(lane[j]), "source": int(r.source[j]),
+                 "record": int(r.record[j]), "epoch": int(r.epoch[j])} for j in range(len(lane))]
+
+    def explain_text(self, step: int) -> str:
+        rows = self.explain(step)
+        head = f"{'row':>5} {'lane':>5} {'source':>6} {'record':>14} {'epoch':>6}"
+        return "\n".join([head] + [f"{r['row']:>5} {r['lane']:>5} {r['source']:>6} {r['record']:>14} "
+                                    f"{r['epoch']:>6}" for r in rows])
+
+
+def _check_step(step: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise PlanError(f"step must be an integer, got {step!r}")
+    if step < 0:
+        raise PlanError(f"step must be non-negative, got {step}; steps count global batches from 0.")

@@ -1,0 +1,176 @@
+"""`Mix`: a deterministic weighted interleave of plan streams, and its routing tree.
+
+A position of a mix goes to one child by walking a balanced binary tree of the children's weight
+fractions, a few float operations a level; counts of any prefix are exact. Its own module because
+the routing (tree, `route`, `counts`, `length_for`) is the one piece of the algebra that is not a
+line or two of integer math; `zephon.plan` re-exports `Mix`. (Per-source *pipelines* of a mix are
+a lane operator: `zephon.ops.mix.PerSource`.)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Sequence
+from collections.abc import Mapping as Mapping_
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from zephon.errors import PlanError
+from zephon.plan import Node, Refs
+
+
+@dataclass(frozen=True)
+class Mix(Node, kind="Mix"):
+    """A deterministic weighted interleave with exact weights and O(1) random access.
+
+    The children form a balanced binary tree; at a node whose left side has weight fraction `w`,
+    the first `n` positions send `floor(n·w + 1/2)` to the left, so every prefix of the stream
+    holds each side within half a record of its share, and a position's child and its index
+    in that child follow from a few float operations per tree level (the same IEEE arithmetic
+    on every platform). Weights are used as given (normalised), never rounded to a ratio of
+    small integers, so 0.999/0.001 is 0.999/0.001.
+
+    Directly under `lanes()`, a mix is applied *inside every lane* (each child is dealt into the
+    lanes on its own), so every lane — and every rank at every data-parallel degree — sees the
+    mixture. `by="tokens"` makes the lane engine balance realised token counts instead of record
+    counts (the length of column `count_field` after each child's pipeline); such a mix has no
+    random access by position (its schedule depends on the data) and must sit under `lanes()`.
+    """
+
+    children: tuple[Node, ...]
+    weights: tuple[float, ...]
+    by: Literal["samples", "tokens"] = "samples"
+    count_field: str = "tokens"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.children, tuple):
+            object.__setattr__(self, "children", tuple(self.children))
+        weights = self.weights
+        if isinstance(weights, (Mapping_, str, bytes)) or not isinstance(weights, Iterable):
+            raise PlanError(f"Mix weights must be a list of numbers, one per child, got {weights!r}")
+        if not isinstance(weights, tuple):
+            object.__setattr__(self, "weights", tuple(weights))
+        if not self.children:
+            raise PlanError("Mix needs at least one child")
+        if not all(isinstance(c, Node) for c in self.children):
+            raise PlanError("Mix children must be plan nodes (e.g. Source(n, id=i).repeat())")
+        if len(self.weights) != len(self.children):
+            raise PlanError(f"Mix has {len(self.children)} children but {len(self.weights)} weights; "
+                            "give one weight per child.")
+        if not all(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+                   for x in self.weights):
+            raise PlanError(f"Mix weights must be numbers, got {list(self.weights)}")
+        w = [float(x) for x in self.weights]
+        if any(not math.isfinite(x) or x < 0 for x in w) or max(w) <= 0:
+            raise PlanError(f"Mix weights must be finite, non-negative and sum to a positive number, "
+                            f"got {list(self.weights)}; a weight of 0 drops a child, NaN or a "
+                            "negative weight is a mistake.")
+        object.__setattr__(self, "weights", tuple(w))
+        if self.by not in ("samples", "tokens"):
+            raise PlanError(f"Mix.by must be 'samples' or 'tokens', got {self.by!r}")
+
+    @functools.cached_property
+    def normalized(self) -> np.ndarray:
+        w = np.asarray(self.weights, np.float64)
+        return w / w.max() / (w / w.max()).sum()  # scaled first: huge weights cannot overflow
+
+    @functools.cached_property
+    def _tree(self) -> tuple:
+        """Nested (left, right, left fraction) over the children with positive weight."""
+        w = self.normalized
+
+        def build(ids: list[int]) -> Any:
+            if len(ids) == 1:
+                return ids[0]
+            half = len(ids) // 2
+            left, right = ids[:half], ids[half:]
+            total = float(w[ids].sum())
+            return (build(left), build(right), float(w[left].sum()) / total)
+
+        return build([i for i in range(len(w)) if w[i] > 0])
+
+    def route(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(child, index within that child) of mix positions `pos` (vectorised)."""
+        pos = np.asarray(pos, np.int64)
+        child = np.empty_like(pos)
+        inner = np.empty_like(pos)
+
+        def walk(node: Any, idx: np.ndarray, n: np.ndarray) -> None:
+            if not isinstance(node, tuple):
+                child[idx], inner[idx] = node, n
+                return
+            left, right, w = node
+            c0 = np.floor(n * w + 0.5).astype(np.int64)
+            c1 = np.floor((n + 1) * w + 0.5).astype(np.int64)
+            go_left = c1 > c0
+            walk(left, idx[go_left], c0[go_left])
+            walk(right, idx[~go_left], (n - c0)[~go_left])
+
+        walk(self._tree, np.arange(len(pos)), pos)
+        return child, inner
+
+    def counts(self, n: int) -> np.ndarray:
+        """How many of the first `n` positions go to each child (exact, O(children))."""
+        out = np.zeros(len(self.children), np.int64)
+
+        def walk(node: Any, m: int) -> None:
+            if not isinstance(node, tuple):
+                out[node] = m
+                return
+            left, right, w = node
+            c = int(np.floor(np.float64(m) * w + 0.5))
+            walk(left, c)
+            walk(right, m - c)
+
+        walk(self._tree, int(n))
+        return out
+
+    def length_for(self, sizes: Sequence[int | None]) -> int | None:
+        """Positions until the first child of size `sizes[i]` (None: infinite) runs out."""
+        ends = []
+        for i, n in enumerate(sizes):
+            if n is None or self.normalized[i] == 0:
+                continue
+            lo, hi = 0, max(2, int(2 * (n + 1) / self.normalized[i]) + 2)
+            while lo < hi:  # first m with counts(m)[i] > n: the stream holds m - 1 positions
+                mid = (lo + hi) // 2
+                if self.counts(mid)[i] > n:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            ends.append(lo - 1)
+        return min(ends) if ends else None
+
+    @property
+    def length(self) -> int | None:
+        if self.by == "tokens":
+            return None
+        return self.length_for([c.length for c in self.children])
+
+    def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
+        if self.by == "tokens":
+            raise PlanError("a Mix by tokens has no order by position (its schedule depends on "
+                            "token counts); put it directly under .lanes(L) and read it with a Loader.")
+        which, inner = self.route(pos)
+        return _gather_children(self.children, which, inner, epoch)
+
+
+def _gather_children(children: Sequence[Node], which: np.ndarray, inner: np.ndarray,
+                     epoch: np.ndarray) -> Refs:
+    """Row i is child `which[i]`'s reference at (`inner[i]`, `epoch[i]`); extra columns merge
+    (rows of a child without one get `Refs.EXTRA_FILL`)."""
+    src = np.empty_like(inner)
+    rec = np.empty_like(inner)
+    ep = np.empty_like(inner)
+    extra: dict[str, np.ndarray] = {}
+    for i, c in enumerate(children):
+        m = np.flatnonzero(which == i)
+        if m.size:
+            r = c._resolve(inner[m], epoch[m])
+            src[m], rec[m], ep[m] = r.source, r.record, r.epoch
+            for k, v in r.extra.items():
+                extra.setdefault(k, np.full(inner.shape, Refs.EXTRA_FILL, np.int64))[m] = v
+    return Refs(src, rec, ep, extra)
