@@ -1,0 +1,157 @@
+"""`JaxLoader`: global batches as dicts of sharded `jax.Array`s, prefetched to device.
+
+Because the loader's global batch is a function of the plan and the step only, the arrays are
+identical for every mesh shape, number of processes and prefetch depth; only their placement
+differs. A background thread (`prefetch`) builds the next batches on the host while the train
+step runs, with a bounded queue, and `state()` describes the batches the *caller* consumed, not
+the ones prefetched.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import logging
+import weakref
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from zephon.backends.jax.batch import Emitter
+from zephon.backends.jax.placement import BatchAxes, Shardings, _check_shardings, _describe, batch_sharding, plan_layout
+from zephon.backends.jax.prefetch import _End, _Failure, _Prefetcher
+from zephon.errors import PlanError
+from zephon.exec.loader import Loader
+from zephon.ops.base import Transform
+from zephon.plan import Batch
+from zephon.runners.base import Runner
+from zephon.sources.base import RecordSource
+
+log = logging.getLogger(__name__)
+
+
+class JaxLoader:
+    """Global batches as dicts of sharded `jax.Array`s, prefetched to device.
+
+    Args:
+      plan, sources, transforms: as for `zephon.Loader`.
+      mesh, batch_axes: the batch dim is split over `batch_axes` (a mesh axis name or a tuple of
+        names); every field gets `NamedSharding(mesh, PartitionSpec(batch_axes))`.
+      sharding: instead of mesh/batch_axes, a `NamedSharding` for every field, or a mapping
+        field -> `NamedSharding` (e.g. tokens also split over a sequence axis). The batch dim's
+        partitioning must be the same for every field.
+      prefetch: batches kept in flight to the devices ahead of the caller; a background thread
+        loads and converts them on the host, and their transfers are dispatched (asynchronously)
+        from the caller's thread (0: build each batch when asked, in the caller's thread). Memory
+        holds at most 2 * prefetch + 1 batches beyond the one the caller has.
+      exclude: fields not to emit (e.g. raw bytes kept for debugging in the numpy backend).
+      seed, runner, start_step: passed to `zephon.Loader`.
+
+    The process's data-parallel rank and degree come from the mesh and `jax.process_index()`.
+    Use it as a context manager or call `close()` to stop the prefetch thread promptly.
+    """
+
+    def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
+                 transforms: Sequence[Transform] = (), *, mesh: Mesh | None = None,
+                 batch_axes: BatchAxes = "data", sharding: Shardings | None = None, prefetch: int = 2,
+                 exclude: Sequence[str] = (), seed: int = 0, runner: Runner | None = None, start_step: int = 0,
+                 **loader_options: Any) -> None:
+        if not isinstance(plan, Batch):
+            raise PlanError("JaxLoader needs a complete plan: stream.lanes(L).batch(B)")
+        if (mesh is None) == (sharding is None):
+            raise PlanError("pass either mesh= (with batch_axes=) or sharding=, not both or neither.")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise PlanError(f"prefetch must be a non-negative integer (batches ahead), got {prefetch!r}")
+        shardings = batch_sharding(mesh, batch_axes) if sharding is None else _check_shardings(sharding)
+        self.emit = Emitter(shardings, frozenset(exclude))
+        first = shardings if isinstance(shardings, NamedSharding) else next(iter(shardings.values()))
+        self.layout = plan_layout(plan, first)
+        log.info("process %d loads row block %d of %d of every global batch (%s)", jax.process_index(),
+                 self.layout.rank, self.layout.world, _describe(first))
+        self.prefetch = prefetch
+        self._loader = Loader(plan, sources, transforms, seed=seed, rank=self.layout.rank,
+                              world=self.layout.world, runner=runner, start_step=start_step,
+                              **loader_options)
+        self._state = self._loader.position()
+        self._prefetcher: _Prefetcher | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._ended: _End | _Failure | None = None
+        self._ahead: collections.deque[tuple[dict[str, jax.Array], dict[str, Any]]] = collections.deque()
+        self._last: _End | _Failure | None = None  # what the producer ended with, after _ahead
+
+    @property
+    def step(self) -> int:
+        """The next global batch the caller will receive."""
+        return int(self._state["step"])
+
+    def __iter__(self) -> "JaxLoader":
+        return self
+
+    def __next__(self) -> dict[str, jax.Array]:
+        if isinstance(self._ended, _Failure):
+            raise self._ended.error
+        if self._ended is not None:
+            raise StopIteration
+        if self.prefetch == 0:
+            try:
+                arrays = self.emit(next(self._loader))
+            except StopIteration:
+                self._ended = _End()
+                raise
+            self._state = self._loader.position()
+            return arrays
+        if self._prefetcher is None:
+            self._prefetcher = _Prefetcher(self._loader, self.emit, self.prefetch)
+            self._finalizer = weakref.finalize(self, self._prefetcher.stop)
+        # Keep `prefetch` batches' transfers in flight: dispatched now, awaited by the step.
+        while self._last is None and len(self._ahead) < self.prefetch:
+            item = self._prefetcher.take()
+            if isinstance(item, (_End, _Failure)):
+                self._last = item
+            else:
+                self._ahead.append((self.emit.device(item[0]), item[1]))
+        if not self._ahead:
+            self._ended = self._last
+            return self.__next__()
+        arrays, self._state = self._ahead.popleft()
+        return arrays
+
+    def _halt(self) -> None:
+        """Stops the prefetch thread; what it built ahead is dropped (the state is the consumed one)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._prefetcher = self._finalizer = None
+        self._ahead.clear()
+        self._last = None
+
+    # --- state -------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """JSON state after the last batch the caller received (prefetched batches excluded).
+
+        In a multi-process run each process's state holds its own lanes; for pipelines with a
+        filter, `zephon.merge_states` them before resuming at another data-parallel degree.
+        """
+        return self._loader.state_from(copy.deepcopy(self._state))
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continues from `state` (from any mesh or data-parallel degree of the same plan)."""
+        self._halt()
+        self._loader.restore(state)
+        self._state = self._loader.position()
+        self._ended = None
+
+    get_state = state
+    set_state = restore
+
+    def close(self) -> None:
+        """Stops the prefetch thread and releases the loader; safe to call twice."""
+        self._halt()
+        self._loader.close()
+        self._ended = _End()
+
+    def __enter__(self) -> "JaxLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

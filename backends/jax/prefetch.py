@@ -1,0 +1,101 @@
+"""The prefetch thread of `JaxLoader`: the loader and the host-side conversion run ahead.
+
+A bounded queue carries host batches with the loader's position after each, so the caller's
+state describes the batches it consumed, not the ones prefetched; a failure in the thread
+reaches the caller as an item (`_Failure`), never as a hang.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from zephon.backends.jax.batch import Emitter, HostBatch
+from zephon.errors import WorkerError
+from zephon.exec.loader import Loader
+
+
+class _End:
+    """Queue marker: the loader is exhausted."""
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Queue marker: the producer raised; the consumer re-raises it."""
+
+    error: BaseException
+
+
+Item = tuple[HostBatch, dict[str, Any]] | _End | _Failure
+
+
+class _Prefetcher:
+    """A thread that runs the loader and the host-side conversion ahead of the caller.
+
+    Device transfers are dispatched from the caller's thread (see `JaxLoader.__next__`): on the
+    CPU backend a transfer issued from a second thread while a jitted step runs collectives
+    across the fake devices can starve the step's rendezvous (XLA aborts after 40 s).
+
+    The queue holds at most `depth` batches and the thread one more in progress. The thread
+    references neither the prefetcher nor the JaxLoader, so an abandoned JaxLoader is collected
+    and its finalizer stops the thread.
+    """
+
+    def __init__(self, loader: Loader, emit: Emitter, depth: int) -> None:
+        self._queue: queue.Queue[Item] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=_produce, args=(loader, emit, self._queue, self._stop),
+                                        name="zephon-jax-prefetch", daemon=True)
+        self._thread.start()
+
+    def take(self) -> Item:
+        """The next item; a thread that is gone without a word becomes an error, never a hang."""
+        while True:
+            try:
+                return self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    return _Failure(WorkerError("the prefetch thread stopped (the JaxLoader was "
+                                                "closed meanwhile); restore a state or create a "
+                                                "new JaxLoader."))
+
+    def stop(self) -> None:
+        """Ends the thread and drops the batches it built ahead.
+
+        Draining wakes a producer blocked on the full queue, so it sees the stop at once instead
+        of after building another batch.
+        """
+        self._stop.set()
+        self._drain()
+        self._thread.join()
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+
+def _produce(loader: Loader, emit: Emitter, out: queue.Queue[Item], stop: threading.Event) -> None:
+    def put(item: Item) -> None:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    try:
+        while not stop.is_set():
+            try:
+                batch = next(loader)
+            except StopIteration:
+                put(_End())
+                return
+            put((emit.host(batch), loader.position()))
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the consumer
+        put(_Failure(e))
