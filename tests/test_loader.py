@@ -243,3 +243,79 @@ def test_filter_pass_that_keeps_nothing_is_skipped():
     keep = Filter(lambda c: c["id"] >= 8, batched=True, name="id_ge_8")
     b = next(Loader(Source(64).lanes(2).batch(4), src, [keep]))
     assert b.data["id"].tolist() == [8, 10, 9, 11]
+
+
+# --- LocalBatch.micro_batches: the core numpy batch cuts its rows like every emitter -----------
+
+def test_local_batch_micro_batches_concatenate_to_the_batch(src):
+    """Micro-batches are equal consecutive blocks of the rows (views), refs cut with them, and the
+    rows they explain are the batch's rows in order."""
+    p = plan()
+    b = Loader(p, src, rank=1, world=2).batch(3)  # lanes 4..7, 16 rows
+    for n in (1, 2, 4, 8, 16):
+        micro = b.micro_batches(n)
+        assert len(micro) == n and all(m.rows == 16 // n and m.micro == (i, n) for i, m in enumerate(micro))
+        for k in b.data:
+            assert np.array_equal(np.concatenate([m.data[k] for m in micro]), b.data[k])
+        assert np.shares_memory(micro[-1].data["x"], b.data["x"])
+        assert [r for m in micro for r in m.explain()] == b.explain()
+        assert np.array_equal(np.concatenate([m.refs.record for m in micro]), b.refs.record)
+        assert all(m.global_shape("x") == (32 // n, 4) for m in micro)
+        # lane_slice of a micro-batch: the part of each owned lane it holds, which together is the lane
+        for i in range(len(b.lanes)):
+            got = np.concatenate([m.data["id"][m.lane_slice(i)] for m in micro])
+            assert np.array_equal(got, b.data["id"][b.lane_slice(i)])
+    # micro-batches of a micro-batch are micro-batches of the batch
+    assert [m.micro for m in b.micro_batches(2)[1].micro_batches(2)] == [(2, 4), (3, 4)]
+    assert np.array_equal(b.micro_batches(2)[1].micro_batches(2)[0].data["id"], b.micro_batches(4)[2].data["id"])
+
+
+def test_local_batch_micro_batches_split_packed_segments():
+    from zephon.ops.pack import Pack
+
+    docs = ArraySource({"tokens": np.array([np.arange(1 + i % 7, dtype=np.int32) for i in range(64)], dtype=object)})
+    b = next(Loader(Source(64).shuffle(1).repeat().lanes(4).batch(8), docs, [Pack(8, "concat")]))
+    micro = b.micro_batches(4)
+    assert [s for m in micro for s in m.segments] == b.segments
+    assert [r for m in micro for r in m.explain()] == b.explain()
+    assert np.array_equal(np.concatenate([m.data["tokens"] for m in micro]), b.data["tokens"])
+
+
+def test_local_batch_micro_count_that_does_not_divide_is_refused_like_the_backends(src):
+    from zephon.exec.loader import check_micro_count
+
+    b = Loader(plan(), src).batch(0)
+    with pytest.raises(PlanError, match=r"micro_batches\(3\) cannot split the 32 rows .* use n in \[1, 2, 4, 8, 16, 32\]"):
+        b.micro_batches(3)
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(PlanError, match="positive integer"):
+            b.micro_batches(bad)
+    # the same message as the numpy emitter's
+    with pytest.raises(PlanError) as core:
+        check_micro_count(3, 32)
+    with pytest.raises(PlanError) as emitted:
+        npb.emit(b).micro_batches(3)
+    assert str(core.value) == str(emitted.value)
+
+
+# --- hand-edited states: lanes the plan does not have --------------------------------------------
+
+@pytest.mark.parametrize("key", ["99", "8", "-1", "x", "1.0"])
+def test_a_state_naming_a_lane_the_plan_does_not_have_is_refused(src, key):
+    l = Loader(plan(), src)
+    next(l)
+    state = json.loads(json.dumps(l.state()))
+    state["lanes"][key] = dict(state["lanes"]["0"])
+    with pytest.raises(StateError, match=r"'lanes' names lane\(s\) .* it has 8 lanes, 0\.\.7"):
+        Loader(plan(), src).restore(state)
+    with pytest.raises(StateError, match="it has 8 lanes"):
+        Loader(plan(), src, rank=1, world=2).seek_position(state)
+
+
+def test_a_state_whose_lanes_is_not_an_object_is_refused(src):
+    l = Loader(plan(), src)
+    next(l)
+    state = l.state()
+    state["lanes"] = [state["lanes"][str(i)] for i in range(8)]
+    with pytest.raises(StateError, match="'lanes' is list"):
+        Loader(plan(), src).restore(state)

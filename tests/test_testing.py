@@ -382,8 +382,6 @@ def test_cursor_beyond_a_finite_lane_and_off_the_step_are_refused():
         one_to_one.loader().restore(state)
 
 
-@pytest.mark.xfail(strict=True, reason="exec: a state naming a lane the plan does not have (lane 99 "
-                   "of 8) is accepted; Loader.seek_position should refuse it")
 def test_a_lane_the_plan_does_not_have_is_refused():
     l = good().loader()
     next(l)

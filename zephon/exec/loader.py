@@ -6,18 +6,20 @@ keep one output per input take the random-access path (`zephon.exec.steps`): lan
 flat maps, tokenize-and-split, packing, a mix by tokens — runs on the lane engine
 (`zephon.exec.lanes`): windows of lane inputs in parallel on the runner, lanes assembled in order,
 per-lane positions and carries in the state. Both paths write the same state format.
+
+What it yields, `LocalBatch` (with `micro_batches(n)`), is defined in `zephon.exec.batch`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from zephon.checkpoint import STATE_VERSION, check_state_version
 from zephon.errors import PlanError, StateError
+from zephon.exec.batch import LocalBatch, check_micro_count
 from zephon.exec.lanes import LaneEngine
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.state import LaneState
@@ -29,56 +31,6 @@ from zephon.plan import Batch, Mix, Refs, plan_diff
 from zephon.sources.base import Columns, RecordSource
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LocalBatch:
-    """The rows of global batch `step` that this process owns, in global row order.
-
-    `refs` names each row's record (one-to-one and filter pipelines); `segments`, for rows an
-    accumulator built, lists per row its pieces as (source, record, epoch, start, stop).
-    """
-
-    step: int
-    data: Columns
-    lanes: np.ndarray
-    rows_per_lane: int
-    global_rows: int
-    refs: Refs | None = None
-    segments: list[list[tuple[int, int, int, int, int]]] | None = None
-
-    def lane_slice(self, k: int) -> slice:
-        """Rows of the k-th owned lane within `data`."""
-        return slice(k * self.rows_per_lane, (k + 1) * self.rows_per_lane)
-
-    def global_shape(self, name: str) -> tuple[int, ...]:
-        return (self.global_rows,) + tuple(self.data[name].shape[1:])
-
-    @property
-    def contiguous(self) -> bool:
-        """Whether the owned rows form one contiguous block of the global batch."""
-        return bool(np.all(np.diff(self.lanes) == 1))
-
-    @property
-    def row_offset(self) -> int:
-        """First global row of this process's rows (contiguous ownership)."""
-        return int(self.lanes[0]) * self.rows_per_lane if len(self.lanes) else 0
-
-    def explain(self) -> list[dict[str, Any]]:
-        """Per owned row: global row, lane and where its data came from."""
-        out: list[dict[str, Any]] = []
-        n = len(self.lanes) * self.rows_per_lane
-        for j in range(n):
-            lane = int(self.lanes[j // self.rows_per_lane])
-            row = {"row": lane * self.rows_per_lane + j % self.rows_per_lane, "lane": lane}
-            if self.segments is not None:
-                row["segments"] = [{"source": s, "record": r, "epoch": e, "tokens": [a, b]}
-                                   for s, r, e, a, b in self.segments[j]]
-            elif self.refs is not None:
-                row.update(source=int(self.refs.source[j]), record=int(self.refs.record[j]),
-                           epoch=int(self.refs.epoch[j]))
-            out.append(row)
-        return out
 
 
 def _as_ops(transforms: Sequence[Any], per_source: Mapping[int, Sequence[Transform]] | None
@@ -341,6 +293,12 @@ class Loader:
         if not isinstance(lanes, Mapping):
             raise StateError(f"the state's 'lanes' is {type(lanes).__name__}, expected an object "
                              "{lane: state}")
+        count = self.plan.lanes.count
+        alien = [k for k in lanes if not (isinstance(k, str) and k.isascii() and k.isdigit() and int(k) < count)]
+        if alien:
+            raise StateError(f"the state's 'lanes' names lane(s) {alien[:8]} that this plan does not "
+                             f"have: it has {count} lanes, 0..{count - 1}; the state was edited or "
+                             "belongs to another plan.")
         missing = [int(l) for l in self.owned if str(int(l)) not in lanes]
         if missing:
             raise StateError(f"the state lacks lanes {missing[:8]}{'...' if len(missing) > 8 else ''} "
@@ -403,4 +361,5 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return head
 
 
-__all__ = ["JSON", "LaneState", "Loader", "LocalBatch", "Operator", "check_state", "merge_states"]
+__all__ = ["JSON", "LaneState", "Loader", "LocalBatch", "Operator", "check_micro_count", "check_state",
+           "merge_states"]
