@@ -13,7 +13,8 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from zephon.errors import PlanError, check_positive_int, divisors
+from zephon.errors import PlanError
+from zephon.exec.batch import check_micro_count
 from zephon.exec.loader import Loader, LocalBatch
 
 
@@ -51,16 +52,6 @@ def _cut(tree: Any, start: int, stop: int) -> Any:
     if isinstance(tree, Mapping):
         return {k: _cut(v, start, stop) for k, v in tree.items()}
     return tree[start:stop]
-
-
-def check_micro_count(n: Any, rows: int, what: str = "this process's batch") -> int:
-    """`n` as an int, if it splits `rows` rows evenly; otherwise a PlanError listing those that do."""
-    n = check_positive_int(n, "n of micro_batches(n)")
-    if rows % n:
-        raise PlanError(f"micro_batches({n}) cannot split the {rows} rows of {what} into equal "
-                        f"micro-batches; use n in {divisors(rows)} (a micro-batch count that divides "
-                        "the rows every data-parallel rank holds).")
-    return n
 
 
 def micro_batches(batch: LocalBatch | Mapping[str, Any], n: int) -> list[NumpyBatch]:

@@ -11,11 +11,25 @@ One concept a module: `placement` (rank and degree from the mesh, sharding check
 and its queue), `loader` (`JaxLoader`). Import from here.
 """
 
-from zephon.backends.jax.batch import (Emitter, HostBatch, JaxBatch, _jax_dtype, device_dtype_array,
-                                       join_micro_batches, micro_batches)
+from zephon.backends.jax.batch import (
+    Emitter,
+    HostBatch,
+    JaxBatch,
+    _jax_dtype,  # noqa: F401 - zephon.testing checks dtypes with it
+    device_dtype_array,
+    join_micro_batches,
+    micro_batches,
+)
 from zephon.backends.jax.loader import JaxLoader
-from zephon.backends.jax.placement import (BatchAxes, DataParallel, Shardings, batch_sharding, num_batch_shards,
-                                           plan_layout, process_ranks)
+from zephon.backends.jax.placement import (
+    BatchAxes,
+    DataParallel,
+    Shardings,
+    batch_sharding,
+    num_batch_shards,
+    plan_layout,
+    process_ranks,
+)
 from zephon.backends.jax.prefetch import Item
 
 __all__ = [

@@ -18,8 +18,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from zephon.backends.jax.placement import Shardings
-from zephon.backends.numpy import check_micro_count
 from zephon.errors import PlanError
+from zephon.exec.batch import check_micro_count
 from zephon.exec.loader import LocalBatch
 
 HostBatch = dict[str, tuple[np.ndarray, tuple[int, ...]]]

@@ -24,8 +24,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from zephon.backends.numpy import check_micro_count
 from zephon.errors import PlanError
+from zephon.exec.batch import check_micro_count
 from zephon.exec.loader import LocalBatch
 
 log = logging.getLogger(__name__)
