@@ -462,15 +462,27 @@ def single_process_fingerprints(p, source, steps, transforms=()):
     return [step_fingerprint(lane_digests(next(loader))) for _ in range(steps)]
 
 
+def merged_fingerprints(ranks, key):
+    """Step fingerprints of the ranks' lane digests under `key`, merged over the ranks."""
+    return [step_fingerprint({int(l): d for r in ranks for l, d in r[key][s].items()}) for s in range(STEPS)]
+
+
+def load_checkpoint(resumed, checkpoint):
+    """Restores `resumed` from the ranks' torch.distributed.checkpoint (a fresh state_dict() is the
+    template), which the ranks wrote after SPLIT steps."""
+    template = {"data": resumed.state_dict()}
+    dcp.load(template, checkpoint_id=str(checkpoint))
+    assert template["data"]["step"] == SPLIT
+    resumed.load_state_dict(template["data"])
+
+
 @pytest.mark.multiprocess
 def test_ddp_ranks_get_exactly_their_rows(ddp_run):
     _, ranks = ddp_run
     assert [(r["rank"], r["world"], r["loader_rank_world"]) for r in ranks] == [(0, 2, [0, 2, 0, 2]), (1, 2, [1, 2, 1, 2])]
     assert [sorted(map(int, r["digests"][0])) for r in ranks] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     want = single_process_fingerprints(ddp_worker.pipeline(), ddp_worker.source(), STEPS)
-    merged = [step_fingerprint({int(l): d for r in ranks for l, d in r["digests"][s].items()})
-              for s in range(STEPS)]
-    assert merged == want
+    assert merged_fingerprints(ranks, "digests") == want
     # all_gather of the emitted tensors is the numpy global batch
     assert ranks[0]["gathered"] == ranks[1]["gathered"] == want
 
@@ -490,15 +502,10 @@ def test_ddp_checkpoint_of_two_ranks_resumes_in_one_process(ddp_run):
     out, ranks = ddp_run
     p, transforms = ddp_worker.filtered()
     want = single_process_fingerprints(p, ddp_worker.source(), STEPS, transforms)
-    merged = [step_fingerprint({int(l): d for r in ranks for l, d in r["filtered"][s].items()})
-              for s in range(STEPS)]
-    assert merged == want
+    assert merged_fingerprints(ranks, "filtered") == want
     # each rank wrote its own lanes into one torch.distributed.checkpoint; world 1 reads them all
     resumed = tb.TorchLoader(p, ddp_worker.source(), transforms)
-    template = {"data": resumed.state_dict()}
-    dcp.load(template, checkpoint_id=str(out / "dcp"))
-    assert template["data"]["step"] == SPLIT
-    resumed.load_state_dict(template["data"])
+    load_checkpoint(resumed, out / "dcp")
     got = []
     for _ in range(SPLIT, STEPS):
         step = resumed.step
@@ -515,15 +522,10 @@ def test_ddp_ranks_with_dataloader_workers_and_their_checkpoint_resume_in_one_pr
     out, ranks = ddp_run
     p, transforms = ddp_worker.filtered()
     want = single_process_fingerprints(p, ddp_worker.source(), STEPS, transforms)
-    merged = [step_fingerprint({int(l): d for r in ranks for l, d in r["filtered_workers"][s].items()})
-              for s in range(STEPS)]
-    assert merged == want
+    assert merged_fingerprints(ranks, "filtered_workers") == want
     resumed = tb.ZephonDataLoader(tb.ZephonIterableDataset(p, ddp_worker.source(), transforms),
                                   num_workers=2, timeout=TIMEOUT)
-    template = {"data": resumed.state_dict()}
-    dcp.load(template, checkpoint_id=str(out / "dcp_workers"))
-    assert template["data"]["step"] == SPLIT
-    resumed.load_state_dict(template["data"])
+    load_checkpoint(resumed, out / "dcp_workers")
     owned = p.lanes.owned(0, 1)
     got = [step_fingerprint({int(l): d for l, d in ddp_worker.owned_digests(s, t, p, owned).items()})
            for s, t in zip(range(SPLIT, STEPS), resumed)]
