@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 import pytest
+from _helpers import deadline  # tests/ is on sys.path under pytest's rootdir conftest
 
 from zephon.checkpoint import STATE_VERSION, load_state, save_state
 from zephon.errors import DecodeError, PlanError, SourceError, StateError
@@ -31,20 +32,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # os.fork
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-@contextlib.contextmanager
-def deadline(seconds):
-    """Fails the test instead of hanging it (a guard, not a timing assertion)."""
-    def fail(*_):
-        raise TimeoutError(f"no result within {seconds} s")
-    old = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def report(line: str) -> None:

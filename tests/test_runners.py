@@ -6,7 +6,6 @@ runs is defined at module level.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import signal
@@ -14,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+from _helpers import deadline  # tests/ is on sys.path under pytest's rootdir conftest
 
 from zephon import Loader, Map, RandomMap, Source, WorkerError
 from zephon.exec.steps import steps_refs
@@ -86,20 +86,6 @@ def fingerprints(loader, steps):
 
 def all_runners():
     return [inline(), threads(2), Threads(3, depth=1), processes(2), Processes(1, depth=3)]
-
-
-@contextlib.contextmanager
-def deadline(seconds):
-    """Fails the test instead of hanging it (a guard, not a timing assertion)."""
-    def fail(*_):
-        raise TimeoutError(f"no result within {seconds} s: the consumer hung")
-    old = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def shm_segments(names):
