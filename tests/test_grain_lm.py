@@ -12,7 +12,7 @@ import pytest
 import grain
 import zephon.compat.grain as zg
 from zephon import DecodeError, Loader, Mix, PlanError, Repeat, Source, StateError
-from zephon.compat.grain_order import GrainShuffle
+from zephon.compat.grain import GrainShuffle
 from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.runners import threads

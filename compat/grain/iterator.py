@@ -1,0 +1,135 @@
+"""Zephon loaders behind Grain's iterator API.
+
+`Iterator` is a `grain.DatasetIterator` over a Zephon `Loader`: batches come out in Grain's
+structure (`unflatten_columns`), `get_state`/`set_state` are Zephon's one JSON state document
+(plus `elements_taken` inside a step when iterating unbatched), and `merge_states` joins every
+rank's state into one that restores at another data-parallel degree. `CollatingLoader` is the
+`Loader` whose batches are always named columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+import grain
+
+from zephon.errors import StateError
+from zephon.exec.loader import Loader, LocalBatch
+
+from .records import RECORD, RNG, collate, elements, unflatten_columns
+
+
+class CollatingLoader(Loader):
+    """A Zephon `Loader` whose batches are always named columns, never Grain record objects."""
+
+    def __next__(self) -> LocalBatch:
+        b = super().__next__()
+        return replace(b, data=collate(b.data)) if RECORD in b.data or RNG in b.data else b
+
+    def batch(self, step: int) -> LocalBatch:
+        b = super().batch(step)
+        return replace(b, data=collate(b.data)) if RECORD in b.data or RNG in b.data else b
+
+
+class Iterator(grain.DatasetIterator):
+    """Iterates a Zephon loader with Grain's iterator API: `get_state()` / `set_state()`.
+
+    It is a `grain.DatasetIterator`, so Grain's Orbax `CheckpointHandler`
+    (`grain.checkpoint.CheckpointSave/CheckpointRestore`) and Orbax's StatefulCheckpointable API
+    save and restore it like any Grain iterator. The state is Zephon's one JSON state document
+    (plan fingerprint, step, lane cursors) that every emitter reads and writes; unbatched
+    iteration adds `elements_taken`, the offset inside a step.
+    """
+
+    def __init__(self, loader: Loader, *, batched: bool = True) -> None:
+        super().__init__()
+        self.loader = loader
+        self.batched = batched
+        self._rows: list[Any] = []
+        self._taken = 0
+        self._before: dict[str, Any] | None = None
+
+    @staticmethod
+    def emit(batch: LocalBatch, *, batched: bool) -> Any:
+        if batched:
+            return unflatten_columns(batch.data)
+        return elements(batch.data)
+
+    def __next__(self) -> Any:
+        self._assert_not_closed()
+        if self.batched:
+            return self.emit(next(self.loader), batched=True)
+        while self._taken >= len(self._rows):
+            self._before = self.loader.position()
+            self._rows = self.emit(next(self.loader), batched=False)
+            self._taken = 0
+        self._taken += 1
+        return self._rows[self._taken - 1]
+
+    @property
+    def step(self) -> int:
+        """The next global batch (step) of the underlying loader."""
+        return self.loader.step
+
+    def get_state(self) -> dict[str, Any]:
+        """Zephon's state document (the one `Loader.state()`, `state_dict()` and
+        `JaxLoader.state()` return; any of them restores it). Unbatched iteration stopped inside
+        a step adds `"elements_taken"`: the step's elements already returned."""
+        if not self.batched and self._taken < len(self._rows):
+            return {**self.loader.state_from(self._before), "elements_taken": self._taken}
+        return self.loader.state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continues from a state document of any Zephon emitter (or this iterator's)."""
+        if isinstance(state, Mapping) and "loader" in state and "zephon_state" not in state:
+            state = {**state["loader"], "elements_taken": state.get("skip", 0)}  # before 0.2
+        if not isinstance(state, Mapping):
+            raise StateError(f"set_state needs the state document get_state() returned (a dict), "
+                             f"got {type(state).__name__}")
+        skip = state.get("elements_taken", 0)
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise StateError(f"the state's 'elements_taken' is {skip!r}; expected a non-negative "
+                             "integer (elements of the step already returned). The state was edited.")
+        self.loader.restore(state)
+        self._rows, self._taken = [], 0
+        if skip:
+            if self.batched:
+                raise StateError("this state stopped inside a step (elements_taken="
+                                 f"{skip}) of an unbatched iterator; a batched one resumes at step "
+                                 "boundaries only. Restore it with an unbatched iterator.")
+            self._before = self.loader.position()
+            self._rows = self.emit(next(self.loader), batched=False)
+            if skip > len(self._rows):
+                raise StateError(f"the state's 'elements_taken' is {skip}, but step "
+                                 f"{self._before['step']} has {len(self._rows)} elements here; "
+                                 "the state was edited or belongs to another pipeline.")
+            self._taken = skip
+
+    def close(self) -> None:
+        self.loader.close()
+        super().close()
+
+    def __str__(self) -> str:
+        return f"zephon.compat.grain.Iterator(step={self.loader.step})"
+
+
+def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One iterator state from every rank's `get_state()` taken at the same step (batched
+    iteration), restorable by `set_state` at any data-parallel degree of the same pipeline —
+    how a packed or token-mixed pipeline (whose lanes each carry their own position) changes D."""
+    from zephon.exec.loader import merge_states as merge_loader_states
+
+    if not states:
+        raise StateError("merge_states needs at least one iterator state")
+    docs = []
+    for s in states:
+        if isinstance(s, Mapping) and "loader" in s and "zephon_state" not in s:  # before 0.2
+            s = {**s["loader"], "elements_taken": s.get("skip", 0)}
+        if not isinstance(s, Mapping) or "zephon_state" not in s:
+            raise StateError("not a Zephon state document; pass what get_state() returned.")
+        if s.get("elements_taken", 0):
+            raise StateError("cannot merge states taken inside a step (unbatched iteration, "
+                             "elements_taken > 0); take them at a step boundary.")
+        docs.append({k: v for k, v in s.items() if k != "elements_taken"})
+    return merge_loader_states(docs)
