@@ -1,0 +1,206 @@
+"""Configurations: a `Segment` (an emitter, degree, runner, micro-batch count, mesh, workers,
+processes, until a step), a `Config` (segments with a stop/save/resume between them, parsed from
+text like `numpy D=2 @10 -> jax mesh=2x4`) and the default `matrix` of them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from zephon.errors import PlanError
+
+BACKENDS = ("numpy", "jax", "torch", "grain")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One stretch of a run: an emitter in one configuration, until step `until` (None: the end)."""
+
+    backend: str = "numpy"          # numpy | jax | torch | grain
+    world: int = 1                  # data-parallel degree (JAX: from the mesh and processes)
+    runner: str = "inline"          # inline | threads:N | processes:N
+    micro: int = 1                  # micro-batches per step, concatenated back
+    mesh: tuple[int, ...] | None = None   # JAX mesh shape
+    workers: int = 0                # torch DataLoader workers (ZephonDataLoader)
+    procs: int = 1                  # local processes (jax.distributed / torch gloo)
+    until: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise PlanError(f"unknown backend {self.backend!r}; use one of {', '.join(BACKENDS)}")
+        for k in ("world", "micro", "procs"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or v < 1:
+                raise PlanError(f"{k}={v!r} must be a positive integer")
+        if self.workers and self.backend != "torch":
+            raise PlanError("workers= is the torch DataLoader's num_workers; use it with torch")
+        if self.mesh is not None and self.backend != "jax":
+            raise PlanError("mesh= is for the jax backend")
+        if self.procs > 1 and self.backend not in ("jax", "torch"):
+            raise PlanError("procs=2 runs jax (jax.distributed) or torch (gloo) in local processes")
+        if self.backend == "jax" and self.world != 1:
+            raise PlanError("jax takes its data-parallel degree from the mesh and procs=; drop D=")
+        if self.procs > 1 and self.world not in (1, self.procs):
+            raise PlanError(f"procs={self.procs} runs one rank per process; drop D= (it is {self.procs})")
+
+    @property
+    def degree(self) -> int:
+        """The data-parallel degree this segment's pipeline is built for."""
+        return self.procs if self.procs > 1 else (1 if self.backend == "jax" else self.world)
+
+    def label(self) -> str:
+        out = [self.backend]
+        if self.backend == "jax":
+            if self.procs > 1:
+                out.append(f"procs={self.procs}")
+            out.append("mesh=" + "x".join(map(str, self.mesh or (8,))))
+        elif self.procs > 1:
+            out.append(f"procs={self.procs}")
+        else:
+            out.append(f"D={self.world}")
+        if self.runner != "inline":
+            out.append(f"runner={self.runner}")
+        if self.workers:
+            out.append(f"workers={self.workers}")
+        if self.micro > 1:
+            out.append(f"micro={self.micro}")
+        if self.until is not None:
+            out.append(f"@{self.until}")
+        return " ".join(out)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A way to run the pipeline: one segment, or several with a stop/save/resume between them."""
+
+    segments: tuple[Segment, ...]
+    note: str = ""
+
+    @property
+    def name(self) -> str:
+        return " -> ".join(s.label() for s in self.segments) + (f" ({self.note})" if self.note else "")
+
+    def __str__(self) -> str:
+        return self.name
+
+    @staticmethod
+    def parse(text: str) -> "Config":
+        """`"numpy D=2 runner=threads:2"`, `"jax mesh=2x4 micro=2"`, `"torch D=2 workers=2"`,
+        `"jax procs=2 mesh=2x4"`, `"numpy D=2 @10 -> jax mesh=8"` (a stop after 10 steps)."""
+        segs = []
+        for part in text.split("->"):
+            words = part.split()
+            if not words:
+                raise PlanError(f"empty segment in configuration {text!r}")
+            kw: dict[str, Any] = {"backend": words[0]}
+            for w in words[1:]:
+                if w.startswith("@"):
+                    kw["until"] = _int(w[1:], w, text)
+                    continue
+                key, eq, val = w.partition("=")
+                if not eq:
+                    raise PlanError(f"{w!r} in configuration {text!r}: write key=value (D=2, runner=threads:2, "
+                                    "micro=2, mesh=2x4, workers=2, procs=2) or @STEP")
+                key = {"D": "world", "d": "world", "world": "world"}.get(key, key)
+                if key == "mesh":
+                    kw["mesh"] = tuple(_int(x, w, text) for x in val.lower().split("x"))
+                elif key == "runner":
+                    kw["runner"] = val
+                elif key in ("world", "micro", "workers", "procs"):
+                    kw[key] = _int(val, w, text)
+                else:
+                    raise PlanError(f"unknown option {key!r} in configuration {text!r}; use D, runner, "
+                                    "micro, mesh, workers, procs")
+            segs.append(Segment(**kw))
+        for s in segs[:-1]:
+            if s.until is None:
+                raise PlanError(f"configuration {text!r}: every segment but the last needs @STEP, "
+                                "the step to stop and save at")
+        if segs[-1].until is not None:
+            raise PlanError(f"configuration {text!r}: the last segment runs to the end; drop its @STEP")
+        stops = [s.until for s in segs[:-1]]
+        if stops != sorted(set(stops)) or (stops and stops[0] < 1):  # type: ignore[type-var]
+            raise PlanError(f"configuration {text!r}: stops must increase and be >= 1")
+        return Config(tuple(segs))
+
+
+def _int(v: str, word: str, text: str) -> int:
+    try:
+        return int(v)
+    except ValueError:
+        raise PlanError(f"{word!r} in configuration {text!r}: {v!r} is not an integer") from None
+
+
+REFERENCE = Config((Segment(),))
+
+
+def default_resume(steps: int, backends: Sequence[str] = BACKENDS) -> list[Config]:
+    """Stops at a third and a half of the run, across degrees and across emitters."""
+    a, b = max(1, steps // 3), max(1, steps // 2)
+    bk = [x for x in ("numpy", "jax", "torch", "grain") if x in backends] or ["numpy"]
+    texts = [f"numpy D=2 @{a} -> numpy D=8", f"numpy D=8 @{a} -> numpy D=1 @{b} -> numpy D=4 micro=2"]
+    if "jax" in bk and "torch" in bk:
+        texts.append(f"jax mesh=8 @{b} -> torch D=2 micro=2")
+    if "torch" in bk and "grain" in bk:
+        texts.append(f"torch D=4 @{a} -> grain D=1")
+    if "grain" in bk and "jax" in bk:
+        texts.append(f"grain D=2 @{b} -> jax mesh=2x4 micro=2")
+    if "torch" in bk:
+        texts.append(f"torch D=2 workers=2 @{a} -> numpy D=4")
+    return [Config.parse(t) for t in texts if steps > b]
+
+
+def matrix(*, steps: int, backends: Sequence[str] = BACKENDS, degrees: Sequence[int] = (1, 2, 4, 8),
+           runners: Sequence[str] = ("threads:2", "processes:2"), workers: Sequence[int] = (2,),
+           micro: Sequence[int] = (2, 4), meshes: Sequence[tuple[int, ...]] = ((8,), (4, 2), (2, 4)),
+           procs: int = 2, resume: Sequence[str] | None = None, repeat: bool = True) -> list[Config]:
+    """The configurations to compare with the reference, one dimension at a time.
+
+    Every backend at every degree (JAX: every mesh, one process), the runners at D=2, the torch
+    DataLoader with workers, micro-batch counts on every backend, `procs` local processes for JAX
+    and torch, stop/resume configurations (`resume`: `"STEP:D1->D2"`, emitters rotating through
+    `backends`, or None for `default_resume`), and the reference run once more (`repeat`).
+    """
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise PlanError(f"unknown backends {unknown}; choose among {', '.join(BACKENDS)}")
+    out: list[Config] = []
+    d2 = next((d for d in degrees if d > 1), 1)
+    if repeat:
+        out.append(replace(REFERENCE, note="second run"))
+    for b in backends:
+        if b == "jax":
+            out += [Config((Segment("jax", mesh=tuple(m)),)) for m in meshes]
+            continue
+        out += [Config((Segment(b, world=d),)) for d in degrees if not (b == "numpy" and d == 1)]
+    if "numpy" in backends:
+        out += [Config((Segment("numpy", world=d2, runner=r),)) for r in runners]
+    if "torch" in backends:
+        out += [Config((Segment("torch", world=1, workers=w),)) for w in workers if w]
+    for i, m in enumerate(x for x in micro if x > 1):
+        for b in backends:
+            seg = (Segment("jax", mesh=tuple(meshes[i % len(meshes)]) if meshes else (8,), micro=m)
+                   if b == "jax" else Segment(b, world=degrees[(i + 1) % len(degrees)] if degrees else 1, micro=m))
+            out.append(Config((seg,)))
+    if procs > 1:
+        if "jax" in backends:
+            out.append(Config((Segment("jax", procs=procs, mesh=(procs, 8 // procs) if 8 % procs == 0 else (procs,)),)))
+        if "torch" in backends:
+            out.append(Config((Segment("torch", procs=procs),)))
+    if resume is None:
+        out += default_resume(steps, backends)
+    else:
+        for i, spec in enumerate(resume):
+            m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*->\s*(\d+)\s*", spec)
+            if not m:
+                raise PlanError(f"resume {spec!r}: write STEP:D1->D2, e.g. 10:2->8 (stop after step 10 "
+                                "at D=2, resume at D=8)")
+            at, d1, d2_ = (int(x) for x in m.groups())
+            if not 0 < at < steps:
+                raise PlanError(f"resume {spec!r}: the stop {at} must be inside the run (1..{steps - 1})")
+            b1, b2 = backends[i % len(backends)], backends[(i + 1) % len(backends)]
+            s1 = Segment(b1, world=1 if b1 == "jax" else d1, until=at, mesh=(8,) if b1 == "jax" else None)
+            s2 = Segment(b2, world=1 if b2 == "jax" else d2_, mesh=(8,) if b2 == "jax" else None)
+            out.append(Config((s1, s2)))
+    return out

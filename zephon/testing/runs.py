@@ -1,0 +1,193 @@
+"""Running configurations and comparing them with the reference (numpy, D=1): `run_config`,
+`divergence` (the first differing step, lane, row and field, with `explain` of that row) and
+`verify`, which runs a list of configurations into a `zephon.verify.Report`."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from zephon.errors import PlanError
+from zephon.exec.loader import LocalBatch
+from zephon.testing.configs import REFERENCE, Config
+from zephon.testing.pipeline import Builder, Factory
+from zephon.testing.processes import _run_processes
+from zephon.testing.sessions import _NotApplicable, _session
+from zephon.verify import (Divergence, Report, RunResult, StepRecord, compare_steps, describe_row,
+                           lane_records, record_fingerprint)
+
+
+@dataclass
+class Run:
+    """What a configuration produced: per step, lane records; provenance where available."""
+
+    records: list[StepRecord] = field(default_factory=list)
+    batches: list[list[LocalBatch] | None] = field(default_factory=list)
+    excluded: frozenset[str] = frozenset()
+    plan_fingerprint: str = ""
+    plan_json: Any = None
+    dtypes: dict[str, np.dtype] = field(default_factory=dict)
+
+
+def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapping[str, np.dtype] = {},
+               keep_batches: bool = False, timeout: float = 600.0, on_step: Callable[[], None] | None = None) -> Run:
+    """Runs `config` for `steps` global steps. Raises `_NotApplicable` when it cannot run."""
+    run = Run()
+    state: dict[str, Any] | None = None
+    first = builder(config.segments[0].degree, 0)
+    run.plan_fingerprint, run.plan_json = first.plan.fingerprint(), first.plan.to_json()
+    for i, seg in enumerate(config.segments):
+        stop = steps if seg.until is None else min(seg.until, steps)
+        last = i == len(config.segments) - 1
+        if seg.procs > 1:
+            recs, state, excluded = _run_processes(builder, seg, len(run.records), stop, state,
+                                                   ref_dtypes, timeout)
+            run.records += recs
+            run.batches += [None] * len(recs)
+            run.excluded |= frozenset(excluded)
+            continue
+        sess = _session(builder, seg, ref_dtypes)
+        try:
+            run.excluded |= frozenset(getattr(sess, "excluded", ()))
+            if state is not None:
+                sess.restore(state)
+            while len(run.records) < stop:
+                try:
+                    out = sess.step()
+                except StopIteration:
+                    break
+                merged: StepRecord = {}
+                for lanes, cols in out.parts:
+                    merged.update(lane_records(lanes, cols))
+                    if not run.dtypes:
+                        run.dtypes = {k: np.asarray(v).dtype for k, v in cols.items()}
+                run.records.append(merged)
+                run.batches.append(out.batches if keep_batches else None)
+                if on_step is not None:
+                    on_step()
+            if not last:
+                state = sess.state()
+        finally:
+            sess.close()
+    return run
+
+
+# --- comparing with the reference -------------------------------------------------------------
+
+def _explain_row(batches: list[LocalBatch] | None, lane: int, j: int) -> str | None:
+    if not batches:
+        return None
+    for b in batches:
+        hit = np.flatnonzero(np.asarray(b.lanes) == lane)
+        if len(hit) and (b.refs is not None or b.segments is not None):
+            try:
+                return describe_row(b.explain()[int(hit[0]) * b.rows_per_lane + j])
+            except (IndexError, TypeError):
+                return None
+    return None
+
+
+def divergence(ref: Run, run: Run) -> tuple[Divergence | None, list[bool]]:
+    """The first difference of `run` from `ref` (None if identical) and per-step equality."""
+    ignore = run.excluded
+    matches = [compare_steps(a, b, ignore) is None for a, b in zip(ref.records, run.records)]
+    found: Divergence | None = None
+    for s, (a, b) in enumerate(zip(ref.records, run.records)):
+        hit = compare_steps(a, b, ignore)
+        if hit is None:
+            continue
+        lane, j, name, detail = hit
+        per = a[lane].rows if lane is not None and lane in a else 0
+        row = None if lane is None or j is None else lane * per + j
+        if run.plan_fingerprint and run.plan_fingerprint != ref.plan_fingerprint:
+            from zephon.plan import plan_diff
+
+            diffs = plan_diff(ref.plan_json, run.plan_json)
+            detail += f"; the factory built another plan for this configuration ({'; '.join(diffs[:3])})"
+        found = Divergence(s, lane, row, name, detail,
+                           expected=_explain_row(ref.batches[s] if s < len(ref.batches) else None,
+                                                 lane, j) if lane is not None and j is not None else None,
+                           got=_explain_row(run.batches[s] if s < len(run.batches) else None, lane, j)
+                           if lane is not None and j is not None else None)
+        break
+    if found is None and len(run.records) != len(ref.records):
+        n = min(len(run.records), len(ref.records))
+        found = Divergence(n, detail=f"this run ended after {len(run.records)} steps, the reference "
+                                     f"after {len(ref.records)}")
+    return found, matches
+
+
+def _reference(builder: Builder, steps: int) -> tuple[Run, dict[str, np.dtype]]:
+    ref = run_config(builder, REFERENCE, steps, keep_batches=True)
+    if not ref.records:
+        raise PlanError("the pipeline produced no global batch; check its plan and sources")
+    return ref, ref.dtypes
+
+
+def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *,
+           progress: bool = False, name: str | None = None, timeout: float = 600.0) -> Report:
+    """Runs the reference (numpy, D=1) and every configuration for `steps` steps and reports how
+    each compares. Never raises for a difference (see `Report.ok`); raises `FactoryError` /
+    `PlanError` when the pipeline itself cannot be built or run."""
+    builder = factory if isinstance(factory, Builder) else Builder(factory)
+    configs = [Config.parse(c) if isinstance(c, str) else c for c in configs]
+    t0 = time.perf_counter()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=(len(configs) + 1) * steps, desc=name or builder.name, unit="step",
+                   leave=False, dynamic_ncols=True)
+    tick = (lambda: bar.update(1)) if bar is not None else None
+    try:
+        t = time.perf_counter()
+        ref, dtypes = _reference(builder, steps)
+        if bar is not None:
+            bar.update(steps)
+        ref_fps = [record_fingerprint(r) for r in ref.records]
+        results = [RunResult(REFERENCE.name + " (reference)", "identical", len(ref.records), ref_fps,
+                             [True] * len(ref.records), seconds=time.perf_counter() - t)]
+        for cfg in configs:
+            if bar is not None:
+                bar.set_postfix_str(cfg.name[:40])
+            t = time.perf_counter()
+            done = 0
+
+            def count() -> None:
+                nonlocal done
+                done += 1
+                if tick is not None:
+                    tick()
+
+            try:
+                run = run_config(builder, cfg, len(ref.records), ref_dtypes=dtypes, keep_batches=True,
+                                 timeout=timeout, on_step=count)
+            except _NotApplicable as e:
+                results.append(RunResult(cfg.name, "n/a", note=str(e), seconds=time.perf_counter() - t))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - a failing configuration is a result
+                results.append(RunResult(cfg.name, "error", note=f"{type(e).__name__}: {e}",
+                                         seconds=time.perf_counter() - t,
+                                         detail="".join(traceback.format_exception(e)[-4:])))
+            else:
+                div, matches = divergence(ref, run)
+                fps = [record_fingerprint(r) for r in run.records]
+                note = ""
+                if run.excluded:
+                    note = f"not compared: {', '.join(sorted(run.excluded))} (JAX cannot hold them)"
+                results.append(RunResult(cfg.name, "identical" if div is None else "differs",
+                                         len(run.records), fps, matches, div, note,
+                                         time.perf_counter() - t))
+            finally:
+                if bar is not None:
+                    bar.update(max(0, len(ref.records) - done))
+    finally:
+        if bar is not None:
+            bar.close()
+    return Report(name or builder.name, len(ref.records), results, ref.plan_fingerprint,
+                  time.perf_counter() - t0)
