@@ -6,9 +6,10 @@ batches from Zephon as sharded jax.Arrays; checkpoint with Orbax and resume unde
 
 What it does:
 
-1. Data: real code (the Python standard library's own sources) and generated prose as two JSONL
-   files, a byte-level BPE trained in-process. Zephon mixes them 60/40 by tokens in every lane,
-   tokenizes (`Tokenize`, EOS appended) and packs rows of `--seq-len` tokens (`Pack`, concat).
+1. Data (`lm_data.py`, shared with `lm_torch_ddp.py`): real code (the Python standard library's
+   own sources) and generated prose as two JSONL files, a byte-level BPE trained in-process.
+   Zephon mixes them 60/40 by tokens in every lane, tokenizes (`Tokenize`, EOS appended) and
+   packs rows of `--seq-len` tokens (`Pack`, concat).
 2. Run A on mesh (data=2, fsdp=4): `JaxLoader(..., mesh=mesh, batch_axes=("data", "fsdp"))` gives
    every field as a global `jax.Array` sharded over all 8 devices; parameters (and Adam's moments)
    are sharded over `fsdp` on their largest divisible dimension, replicated over `data` (FSDP).
@@ -51,34 +52,15 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from lm_data import add_data_args, lm_pipeline, write_data  # noqa: E402  (examples/lm_data.py)
 
-import zephon as z  # noqa: E402
 from zephon.backends.jax import JaxLoader  # noqa: E402
-from zephon.ops.pack import Pack  # noqa: E402
-from zephon.ops.tokenize import Tokenize  # noqa: E402
-from zephon.sources import JsonlSource  # noqa: E402
-from zephon.textdata import EOS_ID, generate_corpus, python_stdlib_corpus, train_bpe, write_jsonl  # noqa: E402
 
 
-# --- data ---------------------------------------------------------------------------------------
-def write_data(out: Path, args: argparse.Namespace) -> None:
-    code = [t for t in python_stdlib_corpus() if 200 <= len(t) <= 20_000][::args.code_every]
-    prose = generate_corpus(args.prose_docs, seed=1)
-    write_jsonl(out / "code.jsonl", code, field="source")
-    write_jsonl(out / "prose.jsonl", prose)
-    train_bpe(code + prose, vocab_size=args.vocab).save(str(out / "tokenizer.json"))
-
-
+# --- data: the corpora, the tokenizer and the packed, mixed pipeline are in lm_data.py ------------
 def make_loader(out: Path, args: argparse.Namespace, mesh: Mesh) -> JaxLoader:
-    code, prose = JsonlSource(str(out / "code.jsonl")), JsonlSource(str(out / "prose.jsonl"))
-    plan = z.Mix([z.Source(len(code), id=0).shuffle(seed=1).repeat(),
-                  z.Source(len(prose), id=1).shuffle(seed=2).repeat()],
-                 [0.6, 0.4], by="tokens").lanes(args.lanes).batch(args.batch)
-    tokenizer = str(out / "tokenizer.json")
-    return JaxLoader(plan, [code, prose], [Pack(args.seq_len, "concat")],
-                     per_source={0: [Tokenize(tokenizer, field="source", eos=EOS_ID)],
-                                 1: [Tokenize(tokenizer, field="text", eos=EOS_ID)]},
-                     mesh=mesh, batch_axes=("data", "fsdp"), exclude=("cu_seqlens",), prefetch=2)
+    return JaxLoader(**lm_pipeline(out, args), mesh=mesh, batch_axes=("data", "fsdp"), exclude=("cu_seqlens",),
+                     prefetch=2)
 
 
 # --- model --------------------------------------------------------------------------------------
@@ -208,13 +190,8 @@ def digest(batch: dict[str, jax.Array]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=16, help="global batch (rows): 2 per device")
-    ap.add_argument("--lanes", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=512)
+    add_data_args(ap, batch_help="global batch (rows): 2 per device")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--code-every", type=int, default=6, help="use every n-th stdlib file")
-    ap.add_argument("--prose-docs", type=int, default=600)
     ap.add_argument("--mesh-a", default="2,4", help="run A's (data, fsdp) mesh")
     ap.add_argument("--mesh-b", default="4,2", help="run B's (data, fsdp) mesh")
     ap.add_argument("--replicated-grads", action=argparse.BooleanOptionalAction, default=True)

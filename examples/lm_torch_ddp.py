@@ -5,9 +5,9 @@
 
 What it does, all on CPU:
 
-1. Data: two JSONL corpora written to the output directory — real code (the Python standard
-   library's own sources) and generated English-like prose — and a byte-level BPE trained on them
-   in-process (no hub). Zephon mixes them 60/40 *by tokens* inside every lane, tokenizes each
+1. Data (`lm_data.py`, shared with `lm_jax_flax.py`): two JSONL corpora written to the output
+   directory — real code (the Python standard library's own sources) and generated English-like
+   prose — and a byte-level BPE trained on them in-process (no hub). Zephon mixes them 60/40 *by tokens* inside every lane, tokenizes each
    document in the DataLoader workers (`Tokenize`, EOS appended) and packs them into rows of
    `--seq-len` tokens (`Pack(..., "concat")`: no padding, no token lost).
 2. Run A: DDP over 2 local gloo processes. Every rank iterates a `ZephonDataLoader` with
@@ -53,37 +53,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from lm_data import add_data_args, lm_pipeline, write_data  # examples/lm_data.py
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zephon as z
 from zephon.backends.torch import ZephonDataLoader, ZephonIterableDataset
-from zephon.ops.pack import Pack
-from zephon.ops.tokenize import Tokenize
-from zephon.sources import JsonlSource
-from zephon.textdata import EOS_ID, generate_corpus, python_stdlib_corpus, train_bpe, write_jsonl
 
 
-# --- data ---------------------------------------------------------------------------------------
-def write_data(out: Path, args: argparse.Namespace) -> None:
-    """Two JSONL corpora and a tokenizer.json in `out` (done once, before the processes start)."""
-    code = [t for t in python_stdlib_corpus() if 200 <= len(t) <= 20_000][::args.code_every]
-    prose = generate_corpus(args.prose_docs, seed=1)
-    write_jsonl(out / "code.jsonl", code, field="source")
-    write_jsonl(out / "prose.jsonl", prose)
-    train_bpe(code + prose, vocab_size=args.vocab).save(str(out / "tokenizer.json"))
-
-
+# --- data: the corpora, the tokenizer and the packed, mixed pipeline are in lm_data.py ------------
 def make_loader(out: Path, args: argparse.Namespace) -> ZephonDataLoader:
     """The packed, mixed LM pipeline; rank and world come from torch.distributed (if initialised)."""
-    code, prose = JsonlSource(str(out / "code.jsonl")), JsonlSource(str(out / "prose.jsonl"))
-    plan = z.Mix([z.Source(len(code), id=0).shuffle(seed=1).repeat(),
-                  z.Source(len(prose), id=1).shuffle(seed=2).repeat()],
-                 [0.6, 0.4], by="tokens").lanes(args.lanes).batch(args.batch)
-    tokenizer = str(out / "tokenizer.json")
     dataset = ZephonIterableDataset(
-        plan, [code, prose], [Pack(args.seq_len, "concat")],
-        per_source={0: [Tokenize(tokenizer, field="source", eos=EOS_ID)],
-                    1: [Tokenize(tokenizer, field="text", eos=EOS_ID)]},
+        **lm_pipeline(out, args),
         dtypes={"tokens": torch.int64, "targets": torch.int64, "segment_ids": torch.int64,
                 "positions": torch.int64, "loss_mask": torch.float32})
     return ZephonDataLoader(dataset, num_workers=args.workers)
@@ -216,13 +197,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
     ap.add_argument("--micro-batches", type=int, default=2, help="gradient-accumulation slices of the local batch")
-    ap.add_argument("--batch", type=int, default=16, help="global batch (rows)")
-    ap.add_argument("--lanes", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=512)
+    add_data_args(ap, batch_help="global batch (rows)")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--code-every", type=int, default=6, help="use every n-th stdlib file")
-    ap.add_argument("--prose-docs", type=int, default=600)
     ap.add_argument("--same-reduction", action=argparse.BooleanOptionalAction, default=True,
                     help="run B reduces the gradient as run A's 2 ranks did (bit-for-bit losses)")
     ap.add_argument("--out", type=Path, default=None, help="directory for data, checkpoint and logs")

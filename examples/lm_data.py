@@ -1,0 +1,57 @@
+"""The data the two LM examples share (lm_torch_ddp.py, lm_jax_flax.py): two JSONL corpora, a
+tokenizer, and the Zephon pipeline that feeds them to a model.
+
+- `write_data`: real code (the Python standard library's own sources) and generated English-like
+  prose as two JSONL files, and a byte-level BPE trained on them in-process (no hub).
+- `lm_pipeline`: Zephon mixes the two 60/40 *by tokens* inside every lane, tokenizes each
+  document (`Tokenize`, EOS appended) and packs rows of `--seq-len` tokens (`Pack(..., "concat")`:
+  no padding, no token lost). It returns the loader arguments, for any emitter:
+  `JaxLoader(**lm_pipeline(out, args), mesh=...)`, `ZephonIterableDataset(**lm_pipeline(out, args))`.
+- `add_data_args`: the command-line flags both examples take for them.
+
+`python examples/lm_….py` puts examples/ on sys.path, so the examples import this module by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import zephon as z
+from zephon.ops.pack import Pack
+from zephon.ops.tokenize import Tokenize
+from zephon.sources import JsonlSource
+from zephon.textdata import EOS_ID, generate_corpus, python_stdlib_corpus, train_bpe, write_jsonl
+
+
+def add_data_args(ap: argparse.ArgumentParser, batch_help: str) -> None:
+    """--batch, --lanes, --seq-len, --vocab, --code-every, --prose-docs."""
+    ap.add_argument("--batch", type=int, default=16, help=batch_help)
+    ap.add_argument("--lanes", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--code-every", type=int, default=6, help="use every n-th stdlib file")
+    ap.add_argument("--prose-docs", type=int, default=600)
+
+
+def write_data(out: Path, args: argparse.Namespace) -> None:
+    """Two JSONL corpora and a tokenizer.json in `out` (done once, before any loader starts)."""
+    code = [t for t in python_stdlib_corpus() if 200 <= len(t) <= 20_000][::args.code_every]
+    prose = generate_corpus(args.prose_docs, seed=1)
+    write_jsonl(out / "code.jsonl", code, field="source")
+    write_jsonl(out / "prose.jsonl", prose)
+    train_bpe(code + prose, vocab_size=args.vocab).save(str(out / "tokenizer.json"))
+
+
+def lm_pipeline(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The packed, mixed LM pipeline over `write_data`'s files: a loader's plan, sources,
+    transforms and per-source tokenizers, as keyword arguments."""
+    code, prose = JsonlSource(str(out / "code.jsonl")), JsonlSource(str(out / "prose.jsonl"))
+    plan = z.Mix([z.Source(len(code), id=0).shuffle(seed=1).repeat(),
+                  z.Source(len(prose), id=1).shuffle(seed=2).repeat()],
+                 [0.6, 0.4], by="tokens").lanes(args.lanes).batch(args.batch)
+    tokenizer = str(out / "tokenizer.json")
+    return {"plan": plan, "sources": [code, prose], "transforms": [Pack(args.seq_len, "concat")],
+            "per_source": {0: [Tokenize(tokenizer, field="source", eos=EOS_ID)],
+                           1: [Tokenize(tokenizer, field="text", eos=EOS_ID)]}}
