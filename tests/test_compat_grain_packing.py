@@ -1,4 +1,4 @@
-"""A Grain user's LM pipeline (tokenize, mix by tokens, pack, batch) through the Grain-compatible
+"""Packing (`zephon.compat.grain.packing`, `.experimental`): a Grain user's LM pipeline (tokenize, mix by tokens, pack, batch) through the Grain-compatible
 API, on Zephon's lane engine: the packed rows equal `zephon.Loader`'s for the same pipeline, are
 identical over data-parallel degrees, resume from the one Zephon JSON state at another degree,
 reach JAX/torch unchanged, and concat-then-split at one lane equals Grain's own packer.
@@ -6,10 +6,11 @@ reach JAX/torch unchanged, and concat-then-split at one lane equals Grain's own 
 
 import json
 
+import grain
 import numpy as np
 import pytest
+from _corpus import corpora_fixture, objects
 
-import grain
 import zephon.compat.grain as zg
 from zephon import DecodeError, Loader, Mix, PlanError, Repeat, Source, StateError
 from zephon.compat.grain import GrainShuffle
@@ -17,7 +18,7 @@ from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.runners import threads
 from zephon.sources.memory import ArraySource
-from zephon.textdata import EOS_ID, generate_corpus, train_bpe
+from zephon.textdata import EOS_ID
 
 MODES = {"concat": zg.experimental.ConcatThenSplitIterDataset,
          "first_fit": zg.experimental.FirstFitPackIterDataset,
@@ -26,19 +27,7 @@ MAXTEXT = {"inputs", "targets", "inputs_segmentation", "targets_segmentation", "
            "targets_position"}
 
 
-def objects(xs):
-    a = np.empty(len(xs), object)
-    for i, x in enumerate(xs):
-        a[i] = x
-    return a
-
-
-@pytest.fixture(scope="module")
-def corpora():
-    prose = generate_corpus(60, seed=1)
-    code = generate_corpus(40, seed=2, style="code")
-    tok = train_bpe(prose[:40] + code[:20], vocab_size=500)
-    return prose, code, tok
+corpora = corpora_fixture(prose=60, code=40, train=(40, 20), vocab_size=500)
 
 
 SEQ = 512  # documents here are 114-1434 (median ~330) tokens: fit modes put several in a row

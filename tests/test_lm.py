@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+from _corpus import corpora_fixture, objects
 
 from zephon import Loader, Mix, Source, StateError, merge_states
 from zephon.ops.pack import Pack
@@ -19,20 +20,7 @@ from zephon.sources.memory import ArraySource
 from zephon.textdata import EOS_ID, generate_corpus, train_bpe
 from zephon.verify import run_fingerprints
 
-
-def objects(xs):
-    a = np.empty(len(xs), object)
-    for i, x in enumerate(xs):
-        a[i] = x
-    return a
-
-
-@pytest.fixture(scope="module")
-def corpora():
-    prose = generate_corpus(120, seed=1)
-    code = generate_corpus(80, seed=2, style="code")
-    tok = train_bpe(prose[:60] + code[:40], vocab_size=600)
-    return prose, code, tok
+corpora = corpora_fixture(prose=120, code=80, train=(60, 40), vocab_size=600)
 
 
 def pipeline(tok, seq_len=64, mode="concat", **kw):

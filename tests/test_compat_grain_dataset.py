@@ -1,0 +1,74 @@
+"""The `Dataset` facade: Grain's batches for every lane count and rank, slicing, random access, filters, backends.
+
+Every equality is checked against Grain itself, never against numbers written down by hand."""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+import pytest
+from _grain import quiet_remainder_warning, same_all  # noqa: F401 - an autouse fixture
+
+import zephon.compat.grain as zg
+
+
+@pytest.mark.parametrize("lanes,world", [(1, 1), (2, 2), (4, 1), (4, 2), (8, 4)])
+def test_batches_equal_grains_for_every_lane_count_and_rank(lanes: int, world: int) -> None:
+    src = grain.sources.RangeDataSource(0, 301, 1)
+    g = grain.MapDataset.source(src).seed(3).shuffle().repeat(2).map(lambda x: {"x": x, "y": [x, -x]}).batch(16)
+    z = zg.Dataset.source(src).seed(3).shuffle().repeat(2).map(lambda x: {"x": x, "y": [x, -x]}).batch(16)
+    z = z.lanes(lanes)
+    assert same_all(g, z) == 602 // 16
+    fps = zg.grain_fingerprints(g, 10, lanes=lanes)
+    assert z.fingerprints(10, world=world) == fps
+    # each rank iterates its own rows of Grain's global batch
+    rank_batches = [zg.grain_batch_columns(next(iter(z.shard(r, world)))) for r in range(world)]
+    whole = zg.grain_batch_columns(next(iter(g)))
+    assert sorted(whole) == ["x", "y/0", "y/1"]
+    for k in whole:
+        assert np.array_equal(np.concatenate([b[k] for b in rank_batches]), whole[k])
+
+
+def test_slice_and_random_access_equal_grain() -> None:
+    src = grain.sources.RangeDataSource(0, 50, 1)
+    g = grain.MapDataset.source(src).shuffle(seed=1).repeat(4)[7:150:3].map(lambda x: x * 10)
+    z = zg.Dataset.source(src).shuffle(seed=1).repeat(4)[7:150:3].map(lambda x: x * 10)
+    assert len(z) == len(g) == 48
+    assert [z[i] for i in range(len(z))] == [g[i] for i in range(len(g))] == list(z)
+    assert z[-1] == g[47]
+    gb, zb = g.batch(5), z.batch(5)
+    assert len(zb) == 9 and np.array_equal(zb[3], gb[3])
+
+
+def test_filter_then_iter_dataset_batches_equal_grain() -> None:
+    src = grain.sources.RangeDataSource(0, 50, 1)
+    keep = grain.transforms.Filter
+    odd = type("NotOneMod4", (keep,), {"filter": lambda self, x: x % 4 != 1})()
+
+    def pipeline(M):  # noqa: N803
+        return M.source(src).shuffle(seed=1).repeat(3).filter(odd).to_iter_dataset().map(lambda x: x + 1).batch(5)
+
+    g, z = pipeline(grain.MapDataset), pipeline(zg.Dataset)
+    assert same_all(g, z) == 22
+    gm = grain.MapDataset.source(src).shuffle(seed=1).filter(odd)
+    zm = zg.Dataset.source(src).shuffle(seed=1).filter(odd)
+    assert [zm[i] for i in range(50)] == [gm[i] for i in range(50)]  # None where filtered, as Grain
+    assert list(zm) == list(gm)
+
+
+def test_backends_accept_a_grain_pipeline() -> None:
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("zephon.backends.jax")
+    src = grain.sources.RangeDataSource(0, 200, 1)
+    rec = lambda x: {"x": np.int32(x), "y": np.full(3, x, np.float32)}  # noqa: E731
+    z = zg.Dataset.source(src).shuffle(seed=3).repeat().map(rec).lanes(8).batch(16)
+    g = iter(z.to_grain())
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    with z.to_jax(mesh, "data") as jl:
+        for _ in range(2):
+            jb, gb = next(jl), next(g)
+            assert all(np.array_equal(np.asarray(jb[k]), gb[k]) for k in gb)
+    pytest.importorskip("zephon.backends.torch")
+    tl = z.shard(1, 2).to_torch()
+    first = next(iter(z.to_grain()))
+    assert np.array_equal(next(iter(tl))["x"].numpy(), first["x"][8:])
