@@ -1,7 +1,8 @@
-"""Packing (`zephon.compat.grain.packing`, `.experimental`): a Grain user's LM pipeline (tokenize, mix by tokens, pack, batch) through the Grain-compatible
-API, on Zephon's lane engine: the packed rows equal `zephon.Loader`'s for the same pipeline, are
-identical over data-parallel degrees, resume from the one Zephon JSON state at another degree,
-reach JAX/torch unchanged, and concat-then-split at one lane equals Grain's own packer.
+"""Packing (`zephon.compat.grain.packing`, `.experimental`): a Grain user's LM pipeline (tokenize,
+mix by tokens, pack, batch) through the Grain-compatible API, on Zephon's lane engine: the packed
+rows equal `zephon.Loader`'s for the same pipeline, are identical over data-parallel degrees,
+resume from the one Zephon JSON state at another degree, reach JAX/torch unchanged, and
+concat-then-split at one lane equals Grain's own packer.
 """
 
 import json
