@@ -46,21 +46,50 @@ One concept a module: `records` (Grain records <-> columns), `sources`, `transfo
 from __future__ import annotations
 
 from . import experimental
+from .cipher import index_shuffle
 from .compile import READ_AHEAD
 from .dataloader import DataLoader
 from .dataset import Dataset
 from .experimental import BestFitPackIterDataset, ConcatThenSplitIterDataset, FirstFitPackIterDataset
-from .cipher import index_shuffle
 from .iterator import CollatingLoader, Iterator, merge_states
-from .order import (GRAIN_INFINITE, ContiguousBatches, GrainIndex, GrainLoaderOrder, GrainMix,
-                    GrainSampler, GrainShuffle, even_split, grain_index_column, grain_proportions,
-                    mix_selection)
+from .order import (
+    GRAIN_INFINITE,
+    ContiguousBatches,
+    GrainIndex,
+    GrainLoaderOrder,
+    GrainMix,
+    GrainSampler,
+    GrainShuffle,
+    even_split,
+    grain_index_column,
+    grain_proportions,
+    mix_selection,
+)
 from .packing import GrainPackNames, PackInput
-from .records import (RECORD, RNG, VALUE, collate, flatten_record, grain_batch_columns, records_of,
-                      records_to_columns, stack_leaves, unflatten_columns)
+from .records import (
+    RECORD,
+    RNG,
+    VALUE,
+    collate,
+    flatten_record,
+    grain_batch_columns,
+    records_of,
+    records_to_columns,
+    stack_leaves,
+    unflatten_columns,
+)
 from .sources import GrainSource, RecordsOf
-from .transforms import (Branches, Collate, GrainFilter, GrainMap, GrainMapWithIndex, GrainRandomMap,
-                         LaneOp, grain_map_rng, with_collate)
+from .transforms import (
+    Branches,
+    Collate,
+    GrainFilter,
+    GrainMap,
+    GrainMapWithIndex,
+    GrainRandomMap,
+    LaneOp,
+    grain_map_rng,
+    with_collate,
+)
 from .verify import concat_shards, grain_fingerprints
 
 # zephon.testing recognises a pipeline by `type(obj).__module__.endswith("compat.grain")`, and
@@ -68,13 +97,51 @@ from .verify import concat_shards, grain_fingerprints
 Dataset.__module__ = __name__
 
 __all__ = [
-    "BestFitPackIterDataset", "Branches", "Collate", "CollatingLoader", "ConcatThenSplitIterDataset",
-    "ContiguousBatches", "DataLoader", "Dataset", "FirstFitPackIterDataset", "GrainPackNames",
-    "LaneOp", "PackInput", "experimental", "merge_states",
-    "GrainFilter", "GrainIndex", "GrainLoaderOrder", "GrainMap", "GrainMapWithIndex",
-    "GrainMix", "GrainRandomMap", "GrainSampler", "GrainShuffle", "GrainSource",
-    "Iterator", "READ_AHEAD", "RECORD", "RNG", "RecordsOf", "VALUE", "collate", "concat_shards",
-    "even_split", "flatten_record", "grain_batch_columns", "grain_fingerprints", "grain_index_column",
-    "grain_map_rng", "grain_proportions", "index_shuffle", "mix_selection", "records_of",
-    "records_to_columns", "stack_leaves", "unflatten_columns", "with_collate", "GRAIN_INFINITE",
+                    "GRAIN_INFINITE",
+                    "READ_AHEAD",
+                    "RECORD",
+                    "RNG",
+                    "VALUE",
+                    "BestFitPackIterDataset",
+                    "Branches",
+                    "Collate",
+                    "CollatingLoader",
+                    "ConcatThenSplitIterDataset",
+                    "ContiguousBatches",
+                    "DataLoader",
+                    "Dataset",
+                    "FirstFitPackIterDataset",
+                    "GrainFilter",
+                    "GrainIndex",
+                    "GrainLoaderOrder",
+                    "GrainMap",
+                    "GrainMapWithIndex",
+                    "GrainMix",
+                    "GrainPackNames",
+                    "GrainRandomMap",
+                    "GrainSampler",
+                    "GrainShuffle",
+                    "GrainSource",
+                    "Iterator",
+                    "LaneOp",
+                    "PackInput",
+                    "RecordsOf",
+                    "collate",
+                    "concat_shards",
+                    "even_split",
+                    "experimental",
+                    "flatten_record",
+                    "grain_batch_columns",
+                    "grain_fingerprints",
+                    "grain_index_column",
+                    "grain_map_rng",
+                    "grain_proportions",
+                    "index_shuffle",
+                    "merge_states",
+                    "mix_selection",
+                    "records_of",
+                    "records_to_columns",
+                    "stack_leaves",
+                    "unflatten_columns",
+                    "with_collate",
 ]

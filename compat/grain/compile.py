@@ -10,8 +10,9 @@ Grain-order nodes of `order`, so the plan names Grain's records; in `order="zeph
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import grain
 import numpy as np
@@ -24,8 +25,17 @@ from zephon.plan import Batch, Mix, Node, Repeat, Shuffle, Slice, Source
 from .order import GRAIN_INFINITE, ContiguousBatches, GrainIndex, GrainMix, GrainShuffle, grain_proportions
 from .packing import GrainPackNames, PackInput
 from .sources import GrainSource, RecordsOf, is_zephon_source
-from .transforms import (Branches, Collate, GrainFilter, GrainMap, GrainMapWithIndex, GrainRandomMap,
-                         LaneOp, has_accumulator, with_collate)
+from .transforms import (
+    Branches,
+    Collate,
+    GrainFilter,
+    GrainMap,
+    GrainMapWithIndex,
+    GrainRandomMap,
+    LaneOp,
+    has_accumulator,
+    with_collate,
+)
 
 log = logging.getLogger("zephon.compat.grain")
 
@@ -51,7 +61,7 @@ class _Op:
     """One node of the Grain-shaped pipeline; mirrors the node Grain would create."""
 
     kind: str
-    parents: tuple["_Op", ...] = ()
+    parents: tuple[_Op, ...] = ()
     args: Mapping[str, Any] = field(default_factory=dict)
 
     def default_seed(self) -> int | None:
@@ -68,7 +78,7 @@ class _Op:
             return None
         return int(np.random.SeedSequence(agg).generate_state(1, dtype=np.uint32)[0])
 
-    def upstream(self) -> Iterable["_Op"]:
+    def upstream(self) -> Iterable[_Op]:
         yield self
         for p in self.parents:
             yield from p.upstream()

@@ -6,7 +6,8 @@ workers by `order.GrainLoaderOrder`); Grain's operations become the transforms o
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import grain
 
@@ -46,9 +47,9 @@ class DataLoader:
         if not isinstance(sampler, grain.samplers.IndexSampler):
             raise PlanError(f"{type(sampler).__name__} is not supported; Grain order is reproduced "
                             "for grain.samplers.IndexSampler.")
-        opts = shard_options if shard_options is not None else sampler._shard_options  # noqa: SLF001
+        opts = shard_options if shard_options is not None else sampler._shard_options
         index, count, _ = _shard_tuple(opts)
-        s_index, s_count, s_drop = _shard_tuple(sampler._shard_options)  # noqa: SLF001
+        s_index, s_count, s_drop = _shard_tuple(sampler._shard_options)
         if s_count != 1 and (s_count, s_index) != (count, index):
             raise PlanError(f"the sampler is sharded {s_index}/{s_count} but the loader {index}/"
                             f"{count}; give both the same shard options (or NoSharding() to the sampler).")
@@ -71,14 +72,14 @@ class DataLoader:
                 filtered = True
             elif isinstance(t, grain.transforms.RandomMap):
                 tag = 0
-                transforms.append(GrainRandomMap(t, sampler._seed, "sampler", tag))  # noqa: SLF001
+                transforms.append(GrainRandomMap(t, sampler._seed, "sampler", tag))
             else:
                 raise PlanError(f"{type(t).__name__} is not supported by grain.DataLoader's Zephon "
                                 "twin; use Map, RandomMap, Filter and a final Batch.")
         per_shard = batch.batch_size if batch is not None else 1
         self.batched = batch is not None
-        stream: Node = GrainSampler(sampler._num_records, s_count, s_drop, sampler._shuffle,  # noqa: SLF001
-                                    sampler._seed, sampler._num_epochs)  # noqa: SLF001
+        stream: Node = GrainSampler(sampler._num_records, s_count, s_drop, sampler._shuffle,
+                                    sampler._seed, sampler._num_epochs)
         if tag is not None:
             stream = GrainIndex(stream, tag)
         lanes = count if lanes is None else int(lanes)
@@ -121,9 +122,9 @@ class DataLoader:
             _, count, drop = _shard_tuple(args["shard_options"])
             opts = grain.sharding.ShardOptions(shard_index, count, drop)
             s = args["sampler"]
-            sampler_opts = opts if s._shard_options.shard_count != 1 else s._shard_options  # noqa: SLF001
+            sampler_opts = opts if s._shard_options.shard_count != 1 else s._shard_options
             args["sampler"] = grain.samplers.IndexSampler(
-                s._num_records, shard_options=sampler_opts, shuffle=s._shuffle,  # noqa: SLF001
-                num_epochs=s._num_epochs, seed=s._seed)  # noqa: SLF001
+                s._num_records, shard_options=sampler_opts, shuffle=s._shuffle,
+                num_epochs=s._num_epochs, seed=s._seed)
             args["shard_options"] = opts
         return grain.DataLoader(**args)

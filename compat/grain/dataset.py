@@ -8,8 +8,9 @@ is first iterated, and the emitters (`loader`, `to_jax`, `to_torch`, `to_torch_d
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grain
 import numpy as np
@@ -22,7 +23,7 @@ from zephon.ops.pack import Pack
 from zephon.plan import Batch
 from zephon.verify import run_fingerprints
 
-from .compile import (GRAIN_INFINITE, Order, _Compiled, _Config, _Op, compile_pipeline, to_grain)
+from .compile import GRAIN_INFINITE, Order, _Compiled, _Config, _Op, compile_pipeline, to_grain
 from .iterator import CollatingLoader, Iterator
 from .packing import pack_step
 from .records import elements
@@ -48,7 +49,7 @@ class Dataset:
 
     # --- Grain constructors -------------------------------------------------------------------
     @classmethod
-    def source(cls, source: Any, *, order: Order = "grain", name: str = "") -> "Dataset":
+    def source(cls, source: Any, *, order: Order = "grain", name: str = "") -> Dataset:
         """Wraps a Grain data source, a sequence, or a Zephon `RecordSource`."""
         if order not in ("grain", "zephon"):
             raise PlanError(f"order must be 'grain' or 'zephon', got {order!r}")
@@ -56,14 +57,14 @@ class Dataset:
 
     @classmethod
     def range(cls, start: int, stop: int | None = None, step: int = 1, *,
-              order: Order = "grain") -> "Dataset":
+              order: Order = "grain") -> Dataset:
         """`MapDataset.range`: the integers of Python's `range(start, stop, step)`."""
         r = range(start) if stop is None else range(start, stop, step)
         return cls.source(r, order=order, name=f"range({r.start}, {r.stop}, {r.step})")
 
     @classmethod
-    def mix(cls, datasets: Sequence["Dataset"], weights: Sequence[float] | None = None, *,
-            by: str = "samples", count_field: str | None = None) -> "Dataset":
+    def mix(cls, datasets: Sequence[Dataset], weights: Sequence[float] | None = None, *,
+            by: str = "samples", count_field: str | None = None) -> Dataset:
         """`MapDataset.mix`: Grain's deterministic proportional interleave of `datasets`.
 
         `by="tokens"` (Zephon): the weights apply to realised tokens, inside every lane — each
@@ -88,7 +89,7 @@ class Dataset:
                         "count_field": count_field}), datasets[0]._config)
 
     # --- Grain transformations ------------------------------------------------------------------
-    def _then(self, kind: str, **args: Any) -> "Dataset":
+    def _then(self, kind: str, **args: Any) -> Dataset:
         self._check_open(kind)
         return Dataset(_Op(kind, (self._op,), args), self._config)
 
@@ -119,27 +120,27 @@ class Dataset:
             return int(seed)
         return _Op(kind, (self._op,)).default_seed()
 
-    def seed(self, seed: int) -> "Dataset":
+    def seed(self, seed: int) -> Dataset:
         """`ds.seed(s)`: downstream shuffles/random maps derive their seeds as Grain does."""
         return self._then("seed", seed=int(seed))
 
-    def shuffle(self, seed: int | None = None) -> "Dataset":
+    def shuffle(self, seed: int | None = None) -> Dataset:
         s = self._seed_for("shuffle", seed)
         if s is None:
             raise PlanError("`shuffle` requires a seed. Please provide it with `ds.seed(seed)` or "
                             "shuffle(seed=...).")
         return self._then("shuffle", seed=s)
 
-    def repeat(self, num_epochs: int | None = None, *, reseed_each_epoch: bool = True) -> "Dataset":
+    def repeat(self, num_epochs: int | None = None, *, reseed_each_epoch: bool = True) -> Dataset:
         if not reseed_each_epoch:
             raise PlanError("repeat(reseed_each_epoch=False) is not supported: Zephon re-keys every "
                             "epoch; repeat with a new shuffle per epoch (the default).")
         return self._then("repeat", num_epochs=num_epochs)
 
-    def slice(self, sl: slice) -> "Dataset":
+    def slice(self, sl: slice) -> Dataset:
         return self._then("slice", slice=sl)
 
-    def map(self, transform: Any) -> "Dataset":
+    def map(self, transform: Any) -> Dataset:
         """Grain's `map` (a `grain.transforms.Map` or callable on records), or a Zephon lane
         operator: a row operator (`Tokenize`, `zephon.Map`/`FlatMap`/`Filter`/`RandomMap`, any
         `Transform`; records are stacked into columns for it) or a `zephon.ops.pack.Pack`
@@ -151,13 +152,13 @@ class Dataset:
             return self._then("pack", pack=transform, fields=(transform.field,), names=None, grain=None)
         return self._then("map", transform=transform, iter=self._in_iter())
 
-    def filter(self, transform: Any) -> "Dataset":
+    def filter(self, transform: Any) -> Dataset:
         return self._then("filter", transform=transform, iter=self._in_iter())
 
     def pack(self, length_struct: Any, mode: str = "concat", *, num_packing_bins: int = 8,
              padding_struct: Any = None, max_sequences_per_bin: int | None = None,
-             names: str = "maxtext", _grain: Any = None) -> "Dataset":
-        """Packs token sequences into rows (Zephon's `Pack` on every lane; see the module doc).
+             names: str = "maxtext", _grain: Any = None) -> Dataset:
+        """Packs token sequences into rows (Zephon's `Pack` on every lane; see `zephon.compat.grain`).
 
         length_struct: `{feature: seq_len}` as in Grain's packers (several features must be
           copies of one sequence, e.g. MaxText's `inputs`/`targets`), or an int for records
@@ -174,7 +175,7 @@ class Dataset:
                                  max_sequences_per_bin=max_sequences_per_bin, names=names)
         return self._then("pack", pack=pack, fields=fields, names=names, grain=_grain)
 
-    def random_map(self, transform: Any, *, seed: int | None = None) -> "Dataset":
+    def random_map(self, transform: Any, *, seed: int | None = None) -> Dataset:
         s = self._seed_for("random_map", seed)
         if s is None:
             raise PlanError("`random_map` requires a seed. Please either provide it with "
@@ -182,11 +183,11 @@ class Dataset:
                             "with `ds.random_map(transform, seed=seed)`.")
         return self._then("random_map", transform=transform, seed=s, iter=self._in_iter())
 
-    def map_with_index(self, transform: Any) -> "Dataset":
+    def map_with_index(self, transform: Any) -> Dataset:
         return self._then("map_with_index", transform=transform, iter=self._in_iter())
 
     def batch(self, batch_size: int, *, drop_remainder: bool = False,
-              batch_fn: Callable[[Sequence[Any]], Any] | None = None) -> "Dataset":
+              batch_fn: Callable[[Sequence[Any]], Any] | None = None) -> Dataset:
         """The global batch. Zephon emits full batches only (as with drop_remainder=True)."""
         if batch_fn is not None:
             raise PlanError("batch_fn is not supported: Zephon stacks records into columns itself; "
@@ -195,7 +196,7 @@ class Dataset:
             raise PlanError(f"batch_size must be a positive integer, got {batch_size!r}")
         return self._then("batch", batch_size=int(batch_size), drop_remainder=bool(drop_remainder))
 
-    def to_iter_dataset(self, read_options: Any = None, *, allow_nones: bool = False) -> "Dataset":
+    def to_iter_dataset(self, read_options: Any = None, *, allow_nones: bool = False) -> Dataset:
         """Grain's switch to `IterDataset`; kept so pipelines read the same (Zephon needs no
         read threads here: runners parallelise whole steps)."""
         if allow_nones:
@@ -203,7 +204,7 @@ class Dataset:
                             "emits filtered-out elements.")
         return self._then("to_iter_dataset")
 
-    def apply(self, transformations: Any) -> "Dataset":
+    def apply(self, transformations: Any) -> Dataset:
         """Grain's `apply`: dispatches Map/RandomMap/Filter/MapWithIndex/Batch by type."""
         ts = transformations if isinstance(transformations, (list, tuple)) else [transformations]
         ds = self
@@ -232,19 +233,19 @@ class Dataset:
         return self._item(int(index))
 
     # --- Zephon knobs ---------------------------------------------------------------------------
-    def lanes(self, count: int, mapping: str = "contiguous") -> "Dataset":
+    def lanes(self, count: int, mapping: str = "contiguous") -> Dataset:
         """Canonical lanes: fix this for runs that restore at another data-parallel degree."""
         return Dataset(self._op, replace(self._config, lanes=int(count), mapping=mapping))
 
-    def shard(self, rank: int, world: int) -> "Dataset":
+    def shard(self, rank: int, world: int) -> Dataset:
         """Data-parallel rank `rank` of `world`: iterates its rows of every global batch."""
         return Dataset(self._op, replace(self._config, rank=int(rank), world=int(world)))
 
-    def runner(self, runner: Any) -> "Dataset":
+    def runner(self, runner: Any) -> Dataset:
         """Executes steps with a Zephon runner (threads/processes); changes speed, never data."""
         return Dataset(self._op, replace(self._config, runner=runner))
 
-    def read_ahead(self, rows: int) -> "Dataset":
+    def read_ahead(self, rows: int) -> Dataset:
         """Rows read and transformed ahead in one group (default `READ_AHEAD`); speed only."""
         return Dataset(self._op, replace(self._config, read_ahead=int(rows)))
 
@@ -321,7 +322,7 @@ class Dataset:
             kwargs.setdefault("world", self._config.world)
         return ZephonIterableDataset(c.plan, c.sources, c.transforms, runner=self._config.runner, **kwargs)
 
-    def __iter__(self) -> "Iterator":
+    def __iter__(self) -> Iterator:
         return Iterator(self.loader(), batched=self.batched)
 
     def __len__(self) -> int:

@@ -7,7 +7,8 @@ packing cannot honour are refused with the reason.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grain
 import numpy as np

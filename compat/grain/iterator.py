@@ -9,8 +9,9 @@ rank's state into one that restores at another data-parallel degree. `CollatingL
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import grain
 

@@ -9,8 +9,9 @@ layout), and `GrainPackNames` renames its output to Grain's packer layout.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 

@@ -11,7 +11,8 @@ transform receives), `collate` and `grain_batch_columns` (a batch real Grain pro
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

@@ -25,7 +25,7 @@ class GrainSource:
     `RangeDataSource`, `SharedMemoryDataSource` alias `grain.python.InMemoryDataSource`, your own
     class, a list, an array); `__getitems__` is used when
     present so ArrayRecord reads a whole batch in one parallel call. Records are returned as-is
-    in the `RECORD` object column (see the module doc).
+    in the `RECORD` object column (see `records`).
     """
 
     def __init__(self, source: Any) -> None:

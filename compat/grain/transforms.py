@@ -11,8 +11,9 @@ mixed dataset's own chain on its rows, `Collate` stacks records into columns at 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grain
 import numpy as np
@@ -43,7 +44,7 @@ def _with_records(cols: Columns, records: Sequence[Any]) -> Columns:
 def _run(fn: Callable[..., Any], what: str, refs: Refs, i: int, *args: Any) -> Any:
     try:
         return fn(*args)
-    except Exception as e:  # noqa: BLE001 - re-raised naming the record
+    except Exception as e:
         raise DecodeError(f"{what} failed on record {int(refs.record[i])} of source "
                           f"{int(refs.source[i])} (epoch {int(refs.epoch[i])}): {e!r}. Fix the "
                           "transform or the record; nothing was skipped.") from e

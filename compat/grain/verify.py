@@ -7,7 +7,8 @@ into global batches, so Grain and its Zephon twin can be compared by fingerprint
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
