@@ -30,3 +30,22 @@ def test_verify_checks_a_demo_pipeline_with_runners_and_resumes(capsys):
     assert "numpy D=2 runner=processes:2" in out and "numpy D=2 runner=threads:2" in out
     assert "numpy D=8 @2 -> numpy D=1 @3 -> numpy D=4 micro=2" in out
     assert "demo_filter: 11 configurations, 6 steps, all identical" in out and "DIFFERS" not in out
+
+
+def test_one_version_everywhere(capsys):
+    """pyproject's version, `zephon.__version__`, the installed metadata and `zephon --version` agree."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    import pytest
+
+    import zephon
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    declared = re.search(r'^version = "([^"]+)"$', text, re.M).group(1)
+    assert zephon.__version__ == declared
+    assert importlib.metadata.version("zephon") == declared, "reinstall: pip install -e ."
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"zephon {declared}"

@@ -1,0 +1,83 @@
+"""The demo pipelines `zephon verify` checks by default, importable by name (also in the other
+processes of a multi-process run) as `zephon.cli:demo_shuffle`, `:demo_filter`, `:demo_lm`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from zephon.cli.demo import SPEC, make_dataset
+from zephon.ops import Filter
+from zephon.plan import Source
+from zephon.sources import ArrayRecordSource
+
+def _demo_dir() -> Path:
+    """Generated demo data, made once per machine and reused (ZEPHON_DEMO_DATA moves it)."""
+    root = Path(os.environ.get("ZEPHON_DEMO_DATA") or Path(tempfile.gettempdir()) / f"zephon-demo-data-{os.getuid()}")
+    final = root / "v1"
+    if (final / "done").exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="building-", dir=root))
+    try:
+        make_dataset(tmp, 4096)
+        from zephon.textdata import generate_corpus, train_bpe, write_jsonl
+
+        prose, code = generate_corpus(400, seed=1), generate_corpus(300, seed=2, style="code")
+        write_jsonl(tmp / "prose.jsonl", prose)
+        write_jsonl(tmp / "code.jsonl", code)
+        train_bpe(prose[:200] + code[:150], vocab_size=2000).save(str(tmp / "tokenizer.json"))
+        (tmp / "done").write_text("ok")
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process made it first
+            pass
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _keep_3_of_4(cols: Any) -> Any:
+    return cols["tokens"][:, 0] % 4 != 0
+
+
+def demo_shuffle() -> Any:
+    """Generated ArrayRecord data (4 shards), shuffled, repeated, 8 lanes dealt *interleaved*."""
+    from zephon.testing import Pipeline
+
+    src = ArrayRecordSource(f"{_demo_dir() / 'demo.array_record'}@4", SPEC)
+    return Pipeline(Source(len(src), name="demo").shuffle(7).repeat().lanes(8, "interleaved").batch(64), src)
+
+
+def demo_filter() -> Any:
+    """The same data through a filter keeping 3 records of 4: lanes advance by the data."""
+    from zephon.testing import Pipeline
+
+    src = ArrayRecordSource(f"{_demo_dir() / 'demo.array_record'}@4", SPEC)
+    keep = Filter(_keep_3_of_4, batched=True, name="demo.keep_3_of_4")
+    return Pipeline(Source(len(src), name="demo").shuffle(8).repeat().lanes(8).batch(64), src, [keep])
+
+
+def demo_lm() -> Any:
+    """Two JSONL corpora mixed 0.7/0.3 by tokens in every lane, BPE-tokenized online, packed
+    into rows of 256 tokens (concat-then-split): the LM pretraining pipeline."""
+    from zephon.ops.pack import Pack
+    from zephon.ops.tokenize import Tokenize
+    from zephon.plan import Mix
+    from zephon.sources import JsonlSource
+    from zephon.testing import Pipeline
+    from zephon.textdata import EOS_ID
+
+    d = _demo_dir()
+    srcs = [JsonlSource(str(d / "prose.jsonl")), JsonlSource(str(d / "code.jsonl"))]
+    plan = Mix([Source(400, id=0, name="prose").shuffle(1).repeat(),
+                Source(300, id=1, name="code").shuffle(2).repeat()], [0.7, 0.3],
+               by="tokens").lanes(8).batch(16)
+    return Pipeline(plan, srcs, [Tokenize(str(d / "tokenizer.json"), eos=EOS_ID), Pack(256, "concat")])
+
+
+DEMO_PIPELINES = ("zephon.cli:demo_shuffle", "zephon.cli:demo_filter", "zephon.cli:demo_lm")
