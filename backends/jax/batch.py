@@ -110,7 +110,7 @@ jax.tree_util.register_pytree_with_keys(
     lambda b: ([b[k] for k in sorted(b)], tuple(sorted(b))))
 
 
-def _device_blocks(name: str, arr: jax.Array) -> list[Any]:
+def _device_blocks(name: str, arr: jax.Array) -> Sequence[Any]:
     shards = arr.addressable_shards
     if not shards:
         raise PlanError(f"field {name!r} has no shard on this process's devices")

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from zephon.backends.jax.batch import Emitter
+from zephon.backends.jax.batch import Emitter, JaxBatch
 from zephon.backends.jax.placement import BatchAxes, Shardings, _check_shardings, _describe, batch_sharding, plan_layout
 from zephon.backends.jax.prefetch import _End, _Failure, _Prefetcher
 from zephon.errors import PlanError
@@ -59,11 +59,14 @@ class JaxLoader:
                  **loader_options: Any) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("JaxLoader needs a complete plan: stream.lanes(L).batch(B)")
-        if (mesh is None) == (sharding is None):
-            raise PlanError("pass either mesh= (with batch_axes=) or sharding=, not both or neither.")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise PlanError(f"prefetch must be a non-negative integer (batches ahead), got {prefetch!r}")
-        shardings = batch_sharding(mesh, batch_axes) if sharding is None else _check_shardings(sharding)
+        if mesh is not None and sharding is None:
+            shardings: Shardings = batch_sharding(mesh, batch_axes)
+        elif sharding is not None and mesh is None:
+            shardings = _check_shardings(sharding)
+        else:
+            raise PlanError("pass either mesh= (with batch_axes=) or sharding=, not both or neither.")
         self.emit = Emitter(shardings, frozenset(exclude))
         first = shardings if isinstance(shardings, NamedSharding) else next(iter(shardings.values()))
         self.layout = plan_layout(plan, first)
@@ -77,7 +80,7 @@ class JaxLoader:
         self._prefetcher: _Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
         self._ended: _End | _Failure | None = None
-        self._ahead: collections.deque[tuple[dict[str, jax.Array], dict[str, Any]]] = collections.deque()
+        self._ahead: collections.deque[tuple[JaxBatch, dict[str, Any]]] = collections.deque()
         self._last: _End | _Failure | None = None  # what the producer ended with, after _ahead
 
     @property
@@ -88,7 +91,7 @@ class JaxLoader:
     def __iter__(self) -> "JaxLoader":
         return self
 
-    def __next__(self) -> dict[str, jax.Array]:
+    def __next__(self) -> JaxBatch:
         if isinstance(self._ended, _Failure):
             raise self._ended.error
         if self._ended is not None:

@@ -31,7 +31,9 @@ class _MarkParts:
         self.user_fn = user_fn
 
     def __call__(self, worker_id: int) -> None:
-        get_worker_info().dataset._parts = True
+        info = get_worker_info()
+        assert info is not None and isinstance(info.dataset, ZephonIterableDataset), "runs in a worker"
+        info.dataset._parts = True
         if self.user_fn is not None:
             self.user_fn(worker_id)
 
@@ -46,6 +48,7 @@ def join_parts(parts: Sequence[WorkerPart], per_lane: int, pin: bool = False) ->
     if np.any(order != np.arange(len(order))):  # an interleaved mapping: workers hold every W-th lane
         rows = (order[:, None] * per_lane + np.arange(per_lane)).ravel()
     out: dict[str, Any] = {}
+    joined: torch.Tensor | np.ndarray
     for k in parts[0].data:
         vs = [p.data[k] for p in parts]
         if isinstance(vs[0], torch.Tensor):

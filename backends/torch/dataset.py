@@ -168,9 +168,9 @@ class ZephonIterableDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
-        workers = 1 if info is None else info.num_workers
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         if self._parts and not self.one_to_one:
-            yield from self._iter_parts(info.id, workers)
+            yield from self._iter_parts(worker, workers)
             return
         loader = self._loader(runner=self.runner)
         seek_position(loader, self._start)
@@ -185,7 +185,7 @@ class ZephonIterableDataset(IterableDataset):
                             f"sequentially and {workers} DataLoader workers cannot split it by step; "
                             "use ZephonDataLoader (its workers split the lanes and it joins their "
                             "rows), or num_workers=0 or 1.")
-        for batch in loader.strided(loader.step + info.id, workers):
+        for batch in loader.strided(loader.step + worker, workers):
             yield self.emitter(batch)
 
     def _iter_parts(self, worker: int, workers: int) -> Iterator[WorkerPart]:
