@@ -71,8 +71,9 @@ class Refs:
         extra = {k: np.concatenate([p.extra[k] if k in p.extra else
                                     np.full(len(p), Refs.EXTRA_FILL, np.int64) for p in parts])
                  for k in names}
-        return Refs(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("source", "record", "epoch")),
-                    extra)
+        source, record, epoch = (np.concatenate([getattr(p, f) for p in parts])
+                                 for f in ("source", "record", "epoch"))
+        return Refs(source, record, epoch, extra)
 
 
 def _positions(pos: np.ndarray | Sequence[int] | int) -> np.ndarray:
