@@ -27,11 +27,11 @@ from .packing import GrainPackNames, PackInput
 from .sources import GrainSource, RecordsOf, is_zephon_source
 from .transforms import (
     Branches,
-    Collate,
     GrainFilter,
     GrainMap,
     GrainMapWithIndex,
     GrainRandomMap,
+    GrainTransform,
     LaneOp,
     has_accumulator,
     with_collate,
@@ -46,14 +46,10 @@ READ_AHEAD = 2048
 Python transforms record by record, so large group reads buy little and cost latency: the first
 batch, and every restore, waits for the whole group."""
 
-_GRAIN_ADAPTERS = (GrainMap, GrainMapWithIndex, GrainRandomMap, GrainFilter, Branches, Collate,
-                   LaneOp, PackInput, GrainPackNames)
-
-
 def _is_lane_op(t: Any) -> bool:
-    """A Zephon row operator (Tokenize, zephon.Map/Filter/FlatMap/RandomMap, any Transform);
-    compat's own transforms pass through as-is."""
-    return isinstance(t, Transform) and not isinstance(t, _GRAIN_ADAPTERS)
+    """A Zephon row operator (Tokenize, zephon.Map/Filter/FlatMap/RandomMap, any Transform) that
+    is not one of this package's own transforms."""
+    return isinstance(t, Transform) and not isinstance(t, GrainTransform)
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,12 +17,12 @@ import numpy as np
 
 from zephon.columns import VALUE, flatten
 from zephon.errors import DecodeError, PlanError
-from zephon.ops.base import Transform
 from zephon.ops.pack import Pack
 from zephon.plan import Refs
 from zephon.sources.base import Columns
 
 from .records import RECORD
+from .transforms import GrainTransform
 
 
 def _pack_fields(length_struct: Any) -> tuple[tuple[str, ...], int]:
@@ -76,7 +76,7 @@ def pack_step(length_struct: Any, mode: str, *, num_packing_bins: int, padding_s
 
 
 @dataclass(frozen=True)
-class _FieldsOp(Transform):
+class _FieldsOp(GrainTransform):
     """A transform over the packed features `fields` (named in its identity)."""
 
     fields: tuple[str, ...]

@@ -28,6 +28,11 @@ from .order import grain_index_column
 from .records import RECORD, RNG, collate, records_of, records_to_columns
 
 
+class GrainTransform(Transform):
+    """A transform of this package: it passes through a Grain-shaped pipeline as-is, where any
+    other Zephon `Transform` is wrapped in `LaneOp` (records stacked into columns for it)."""
+
+
 def _callable_name(t: Any) -> str:
     """Stable name of a function (its qualname) or transform object (its class): part of the
     loader state's identity, so it must not contain addresses."""
@@ -60,7 +65,7 @@ def _tag_values(refs: Refs, tag: int, what: str) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class GrainMap(Transform):
+class GrainMap(GrainTransform):
     """`grain.transforms.Map` (or a callable) applied to each record."""
 
     transform: Any
@@ -79,7 +84,7 @@ class GrainMap(Transform):
 
 
 @dataclass(frozen=True)
-class GrainMapWithIndex(Transform):
+class GrainMapWithIndex(GrainTransform):
     """`grain.transforms.MapWithIndex`: fn(index, record) with Grain's index at this depth.
 
     The index is the element's position in the dataset at the point of the pipeline where the
@@ -120,7 +125,7 @@ def grain_map_rng(seed: int, index: int) -> np.random.Generator:
 
 
 @dataclass(frozen=True)
-class GrainRandomMap(Transform):
+class GrainRandomMap(GrainTransform):
     """`grain.transforms.RandomMap`: fn(record, rng).
 
     `rng` modes:
@@ -174,7 +179,7 @@ class GrainRandomMap(Transform):
 
 
 @dataclass(frozen=True)
-class GrainFilter(Transform):
+class GrainFilter(GrainTransform):
     """`grain.transforms.Filter` (or a predicate): keeps records where it returns True."""
 
     transform: Any
@@ -193,7 +198,7 @@ class GrainFilter(Transform):
 
 
 @dataclass(frozen=True)
-class Branches(Transform):
+class Branches(GrainTransform):
     """Per-dataset transforms of a mix: rows of each child's sources go through its own chain.
 
     Grain applies `mix([a.map(f), b.map(g)])`'s maps before mixing; here every row carries its
@@ -239,7 +244,7 @@ class Branches(Transform):
 
 
 @dataclass(frozen=True)
-class Collate(Transform):
+class Collate(GrainTransform):
     """Stacks the Grain records of a batch into columns (the last transform of a pipeline)."""
 
     @property
@@ -270,7 +275,7 @@ def has_accumulator(chain: Sequence[Any]) -> bool:
 
 
 @dataclass(frozen=True, eq=False)
-class LaneOp(Transform):
+class LaneOp(GrainTransform):
     """A Zephon row operator inside a Grain-shaped pipeline (`ds.map(Tokenize(...))`).
 
     Zephon operators work on columns: Grain records arriving in the `RECORD` column are stacked
