@@ -47,6 +47,7 @@ from __future__ import annotations
 # The package re-exports every name `zephon.testing` had as one module (private helpers too: tests
 # and the CLI use some), so nothing that imported from it changes.
 # ruff: noqa: F401
+from zephon.report import Report, RunResult  # what verify() returns, as before
 from zephon.testing.asserts import (DeterminismError, _degrees, _raise, assert_deterministic, assert_elastic,
                                     assert_emitters_agree, assert_micro_batches, assert_resumes,
                                     assert_runners_agree)
@@ -59,7 +60,7 @@ from zephon.testing.sessions import (_FAKE_DEVICES, StepOut, _check_degree, _doc
                                      _jax_local_rows, _JaxSession, _json_round_trip, _make_session,
                                      _NotApplicable, _np_micro, _NumpySession, _runner, _session, _Session,
                                      _torch_columns, _torch_round_trip, _torch_to_numpy, _TorchSession)
-from zephon.verify import Divergence, Report, RunResult  # what verify() returns, as before
+from zephon.verify import Divergence
 
 __all__ = [
     "BACKENDS", "Builder", "Config", "DeterminismError", "FactoryError", "IndexSource", "Pipeline",

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from zephon.testing.configs import REFERENCE, Config, Segment, matrix
 from zephon.testing.pipeline import Builder, Factory
 from zephon.testing.runs import verify
-from zephon.verify import Report
+from zephon.report import Report
 
 
 class DeterminismError(AssertionError):

@@ -1,6 +1,6 @@
 """Running configurations and comparing them with the reference (numpy, D=1): `run_config`,
 `divergence` (the first differing step, lane, row and field, with `explain` of that row) and
-`verify`, which runs a list of configurations into a `zephon.verify.Report`."""
+`verify`, which runs a list of configurations into a `zephon.report.Report`."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from zephon.testing.configs import REFERENCE, Config
 from zephon.testing.pipeline import Builder, Factory
 from zephon.testing.processes import _run_processes
 from zephon.testing.sessions import _NotApplicable, _session
-from zephon.verify import (Divergence, Report, RunResult, StepRecord, compare_steps, describe_row,
-                           lane_records, record_fingerprint)
+from zephon.report import Report, RunResult
+from zephon.verify import Divergence, StepRecord, compare_steps, describe_row, lane_records, record_fingerprint
 
 
 @dataclass
