@@ -9,7 +9,8 @@ back exactly, and changing `n` — also at a resume — changes nothing that is 
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from zephon.exec.loader import Loader, LocalBatch
 class NumpyBatch(dict):
     """`{field: np.ndarray}` of this process's rows, with `micro_batches(n)`."""
 
-    def micro_batches(self, n: int) -> list["NumpyBatch"]:
+    def micro_batches(self, n: int) -> list[NumpyBatch]:
         """`n` equal, consecutive blocks of the rows (views, no copy); see `micro_batches`."""
         return micro_batches(self, n)
 

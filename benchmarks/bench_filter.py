@@ -27,10 +27,10 @@ here imports Grain (its pieces live in `grain_ops.py`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
-
 from data import DataSet, record_tokens
 
 SEED = 0
@@ -233,11 +233,11 @@ def case_grain_filter(ds: DataSet, config: str, batch: int, max_seconds: float, 
                 f"mp_prefetch bytes-filter workers={workers}": lambda: bytes_filter(0).mp_prefetch(mp),
                 f"mp_prefetch batched-filter workers={workers}": lambda: batched_filter(0).mp_prefetch(mp)}
     if config in builders:
-        make = lambda: iter(builders[config]())  # noqa: E731
+        make = lambda: iter(builders[config]())
     elif config == f"DataLoader workers={workers}":
         sampler = grain.samplers.IndexSampler(len(source), shuffle=True, seed=SEED, num_epochs=None,
                                               shard_options=grain.sharding.NoSharding())
-        make = lambda: iter(grain.DataLoader(  # noqa: E731
+        make = lambda: iter(grain.DataLoader(
             data_source=source, sampler=sampler, worker_count=workers, worker_buffer_size=4,
             operations=[DecodeRecord(), KeepHalf(), grain.transforms.Batch(batch, drop_remainder=True)]))
     else:

@@ -30,24 +30,25 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (the device count must be set before jax is imported)
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from zephon import Loader, Source  # noqa: E402
-from zephon.backends.jax import JaxLoader  # noqa: E402
-from zephon.backends.numpy import emit  # noqa: E402
-from zephon.sources.array_record import ArrayRecordSource, write_sharded_array_record  # noqa: E402
-from zephon.sources.base import RecordSource  # noqa: E402
-from zephon.sources.memory import ArraySource  # noqa: E402
-from zephon.sources.spec import FixedFields  # noqa: E402
+from zephon import Loader, Source
+from zephon.backends.jax import JaxLoader
+from zephon.backends.numpy import emit
+from zephon.sources.array_record import ArrayRecordSource, write_sharded_array_record
+from zephon.sources.base import RecordSource
+from zephon.sources.memory import ArraySource
+from zephon.sources.spec import FixedFields
 
 SEQ, LANES, WIDTH = 256, 64, 256
 RESULTS = Path(__file__).resolve().parent / "results" / "jax.json"

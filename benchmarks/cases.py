@@ -20,10 +20,10 @@ import resource
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
-
 from data import DataSet, record_tokens
 
 SEED = 0
@@ -109,8 +109,8 @@ def case_grain(ds: DataSet, config: str, batch: int, max_seconds: float, workers
 
     source = grain.sources.ArrayRecordDataSource(ds.array_record_paths)
     base = grain.MapDataset.source(source).shuffle(seed=SEED).repeat()  # reshuffled epochs
-    per_record = lambda: base.map(DecodeRecord()).batch(batch, drop_remainder=True)  # noqa: E731
-    batch_first = lambda: base.batch(batch, drop_remainder=True, batch_fn=decode_batch)  # noqa: E731
+    per_record = lambda: base.map(DecodeRecord()).batch(batch, drop_remainder=True)
+    batch_first = lambda: base.batch(batch, drop_remainder=True, batch_fn=decode_batch)
 
     def indexed(ds_: Any) -> Callable[[], Iterator[Any]]:
         return lambda: (ds_[i] for i in itertools.count())
@@ -120,18 +120,18 @@ def case_grain(ds: DataSet, config: str, batch: int, max_seconds: float, workers
     elif config == "map[i] batch-decode":
         make = indexed(batch_first())
     elif config == "iter threads=16":
-        make = lambda: iter(base.map(DecodeRecord()).to_iter_dataset(  # noqa: E731
+        make = lambda: iter(base.map(DecodeRecord()).to_iter_dataset(
             grain.ReadOptions(num_threads=16, prefetch_buffer_size=500)).batch(batch, drop_remainder=True))
     elif config == "iter batch-decode threads=4":
-        make = lambda: iter(batch_first().to_iter_dataset(  # noqa: E731
+        make = lambda: iter(batch_first().to_iter_dataset(
             grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)))
     elif config == f"mp_prefetch workers={workers}":
-        make = lambda: iter(batch_first().to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=8))  # noqa: E731
+        make = lambda: iter(batch_first().to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=8))
                             .mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=4)))
     elif config == f"DataLoader workers={workers}":
         sampler = grain.samplers.IndexSampler(len(source), shuffle=True, seed=SEED, num_epochs=None,
                                               shard_options=grain.sharding.NoSharding())
-        make = lambda: iter(grain.DataLoader(  # noqa: E731
+        make = lambda: iter(grain.DataLoader(
             data_source=source, sampler=sampler, worker_count=workers, worker_buffer_size=4,
             operations=[DecodeRecord(), grain.transforms.Batch(batch, drop_remainder=True)]))
     else:

@@ -69,9 +69,10 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -262,7 +263,7 @@ def grain_rank(d: dict[str, Any], cfg: Config, rank: int, world: int) -> Iterato
     # in-memory data: Grain recommends num_threads=0 (no read threads contending for the GIL)
     ds = ds[shard.shard_index::shard.shard_count].map(tokenize)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0))
-    ds = ConcatThenSplitIterDataset(ds, length_struct={k: cfg.seq_len for k in ("tokens", "targets", "loss_mask", "source")})
+    ds = ConcatThenSplitIterDataset(ds, length_struct=dict.fromkeys(("tokens", "targets", "loss_mask", "source"), cfg.seq_len))
     ds = ds.batch(cfg.batch // world)
     for b in ds:
         yield {"tokens": b["tokens"], "targets": b["targets"], "loss_mask": b["loss_mask"],

@@ -8,7 +8,8 @@ construction and the tests prove it (tests/test_lm.py).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 

@@ -70,6 +70,7 @@ if str(HERE) not in sys.path:
 
 import bench_filter  # noqa: E402
 import data  # noqa: E402  (a sibling module, also imported by the case processes)
+
 from zephon.exec.steps import READ_AHEAD_ROWS  # noqa: E402
 
 GRAIN_CONFIGS = ["map[i]", "map[i] batch-decode", "iter threads=16", "iter batch-decode threads=4",

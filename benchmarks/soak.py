@@ -164,7 +164,7 @@ class Sampler(threading.Thread):
         self.events: list[dict] = []
         self.phase = "setup"
         self.step = 0
-        self.worker_pids = lambda: []  # the live loaders' workers (set by the chaos run)
+        self.worker_pids = list  # the live loaders' workers (set by the chaos run)
         self._halt = threading.Event()
         self.me = psutil.Process()
         self.shm_prefix = f"zephon-{os.getpid()}-"
@@ -213,7 +213,7 @@ class Sampler(threading.Thread):
         while not self._halt.wait(self.interval):
             try:
                 self.sample()
-            except Exception as e:  # noqa: BLE001 - a sampler must not kill the soak
+            except Exception as e:
                 self.events.append({"t": self.now(), "kind": "sampler-error", "error": repr(e)})
 
     def stop(self) -> None:
@@ -369,7 +369,7 @@ class Chaos:
         """The live loaders' workers (read by the sampler thread, also while a step computes)."""
         try:
             pids = [p for l in list(self.loaders) for p in l.runner.pids]
-        except Exception:  # noqa: BLE001 - a runner closing under us
+        except Exception:
             return []
         self.all_workers.update(pids)
         return pids
@@ -495,7 +495,7 @@ class Chaos:
 def _git(*args: str) -> str:
     try:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return ""
 
 

@@ -18,14 +18,15 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (the device count must be set before jax is imported)
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from zephon import RandomMap, Source, load_state, save_state  # noqa: E402
-from zephon.backends.jax import JaxLoader  # noqa: E402
-from zephon.sources.memory import ArraySource  # noqa: E402
+from zephon import RandomMap, Source, load_state, save_state
+from zephon.backends.jax import JaxLoader
+from zephon.sources.memory import ArraySource
 
 FEATURES, HIDDEN, RECORDS, LANES, BATCH, LR = 16, 32, 20_000, 16, 64, 0.05
 

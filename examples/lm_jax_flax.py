@@ -45,16 +45,17 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import flax.linen as nn  # noqa: E402  (the device count must be set before jax is imported)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-from lm_data import add_data_args, lm_pipeline, write_data  # noqa: E402  (examples/lm_data.py)
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from lm_data import add_data_args, lm_pipeline, write_data
 
-from zephon.backends.jax import JaxLoader  # noqa: E402
+from zephon.backends.jax import JaxLoader
 
 
 # --- data: the corpora, the tokenizer and the packed, mixed pipeline are in lm_data.py ------------

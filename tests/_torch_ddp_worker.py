@@ -58,11 +58,11 @@ def filtered() -> tuple[Batch, tuple[Filter, ...]]:
     return Source(RECORDS).shuffle(9).repeat().lanes(LANES).batch(16), (Filter(keep),)
 
 
-def local_digests(step: int, tensors: dict, loader) -> dict[str, str]:  # noqa: ANN001 - a TorchLoader
+def local_digests(step: int, tensors: dict, loader) -> dict[str, str]:
     return owned_digests(step, tensors, loader.loader.plan, loader.loader.owned)
 
 
-def owned_digests(step: int, tensors: dict, plan: Batch, owned) -> dict[str, str]:  # noqa: ANN001
+def owned_digests(step: int, tensors: dict, plan: Batch, owned) -> dict[str, str]:
     batch = LocalBatch(step, {k: v.numpy() for k, v in tensors.items()}, owned, plan.per_lane, plan.size)
     return {str(lane): d for lane, d in lane_digests(batch).items()}
 

@@ -45,7 +45,7 @@ def test_filter_then_iter_dataset_batches_equal_grain() -> None:
     keep = grain.transforms.Filter
     odd = type("NotOneMod4", (keep,), {"filter": lambda self, x: x % 4 != 1})()
 
-    def pipeline(M):  # noqa: N803
+    def pipeline(M):
         return M.source(src).shuffle(seed=1).repeat(3).filter(odd).to_iter_dataset().map(lambda x: x + 1).batch(5)
 
     g, z = pipeline(grain.MapDataset), pipeline(zg.Dataset)
@@ -60,7 +60,7 @@ def test_backends_accept_a_grain_pipeline() -> None:
     jax = pytest.importorskip("jax")
     pytest.importorskip("zephon.backends.jax")
     src = grain.sources.RangeDataSource(0, 200, 1)
-    rec = lambda x: {"x": np.int32(x), "y": np.full(3, x, np.float32)}  # noqa: E731
+    rec = lambda x: {"x": np.int32(x), "y": np.full(3, x, np.float32)}
     z = zg.Dataset.source(src).shuffle(seed=3).repeat().map(rec).lanes(8).batch(16)
     g = iter(z.to_grain())
     mesh = jax.make_mesh((4, 2), ("data", "model"))

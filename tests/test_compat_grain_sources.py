@@ -30,7 +30,7 @@ def test_array_record_sources_grain_testdata_and_written(tmp_path) -> None:
     payloads = [rng.integers(0, 256, rng.integers(1, 40), dtype=np.uint8).tobytes() + b"\x01" for _ in range(300)]
     write_array_record(path, payloads)
     src = grain.sources.ArrayRecordDataSource([path])
-    parse = lambda b: {"n": len(b), "head": np.frombuffer(b[:1], np.uint8)[0], "raw": b}  # noqa: E731
+    parse = lambda b: {"n": len(b), "head": np.frombuffer(b[:1], np.uint8)[0], "raw": b}
     g = grain.MapDataset.source(src).shuffle(seed=3).map(parse).batch(32)
     z = zg.Dataset.source(src).shuffle(seed=3).map(parse).lanes(4).batch(32)
     assert same_all(g, z) == 9

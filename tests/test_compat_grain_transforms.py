@@ -18,7 +18,7 @@ import zephon.compat.grain as zg
 def test_mix_with_per_dataset_transforms_equals_grain() -> None:
     a, b = grain.sources.RangeDataSource(0, 50, 1), grain.sources.RangeDataSource(1000, 1077, 1)
 
-    def pipeline(M):  # noqa: N803 - the Grain or the Zephon class
+    def pipeline(M):
         da = M.source(a).seed(3).shuffle().map(lambda x: {"x": x, "i": -1})
         db = M.source(b).shuffle(seed=9).repeat().map_with_index(lambda i, x: {"x": 2 * x, "i": i})
         mixed = M.mix([da, db], [0.3, 0.7]).random_map(lambda r, rng: (r["x"], r["i"], rng.normal()), seed=4)
@@ -31,7 +31,7 @@ def test_mix_with_per_dataset_transforms_equals_grain() -> None:
 def test_map_with_index_sees_grains_index_at_its_depth() -> None:
     src = grain.sources.RangeDataSource(0, 30, 1)
 
-    def pipeline(M):  # noqa: N803
+    def pipeline(M):
         return (M.source(src).map_with_index(lambda i, x: (i, x)).shuffle(seed=8).repeat(2)
                 .map_with_index(lambda j, r: {"inner": r[0], "x": r[1], "outer": j}).batch(6))
 

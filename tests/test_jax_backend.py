@@ -11,18 +11,18 @@ import sys
 import threading
 from pathlib import Path
 
+import _jax_mp_worker as mp_worker  # tests/ is on sys.path (rootdir conftest, no __init__.py)
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zephon import Filter, Loader, Map, PlanError, Source, merge_states
 from zephon.backends.jax import JaxLoader, batch_sharding, plan_layout, process_ranks
 from zephon.backends.numpy import emit
 from zephon.sources.memory import ArraySource
 from zephon.verify import global_fingerprint, step_fingerprint
-
-import _jax_mp_worker as mp_worker  # tests/ is on sys.path (rootdir conftest, no __init__.py)
 
 N = 1000
 
@@ -101,7 +101,7 @@ def test_data_parallel_degree_changes_no_array(shape, axes, procs, world):
     mesh = make_mesh(shape)
     sharding = batch_sharding(mesh, axes)
     flat = list(mesh.devices.flat)
-    process_of = lambda d: flat.index(d) * procs // len(flat)  # noqa: E731 - hosts own mesh-ordered runs
+    process_of = lambda d: flat.index(d) * procs // len(flat)
     layouts = {p: plan_layout(plan, sharding, p, process_of) for p in range(procs)}
     assert {dp.world for dp in layouts.values()} == {world}
     assert process_ranks(sharding, process_of) == layouts
@@ -150,7 +150,7 @@ def test_bad_mesh_and_batch_combinations():
     with pytest.raises(PlanError, match="either mesh= .* or sharding="):
         JaxLoader(make_plan(), source)
     sharding = batch_sharding(make_mesh((8,)), "data")
-    hosts = lambda d: d.id // 2  # noqa: E731 - 4 hosts of 2 devices
+    hosts = lambda d: d.id // 2
     with pytest.raises(PlanError, match=r"lanes=6 cannot be split over the 4 processes .* lanes=12"):
         plan_layout(make_plan(lanes=6, batch=48), sharding, 0, hosts)
     with pytest.raises(PlanError, match="mapping 'interleaved'.*contiguous block"):
@@ -189,7 +189,7 @@ def test_prefetch_errors_surface_and_close_stops_the_thread():
             with pytest.raises(ValueError, match="record 64 is corrupt"):
                 next(loader)
         assert loader.state()["step"] == 2
-    threads = lambda: [t for t in threading.enumerate() if t.name == "zephon-jax-prefetch"]  # noqa: E731
+    threads = lambda: [t for t in threading.enumerate() if t.name == "zephon-jax-prefetch"]
     before = len(threads())
     loader = JaxLoader(make_plan(), make_source(), mesh=make_mesh((8,)), prefetch=2)
     next(loader)

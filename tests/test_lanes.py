@@ -10,8 +10,19 @@ import time
 import numpy as np
 import pytest
 
-from zephon import (Accumulator, Filter, FlatMap, Loader, Map, PlanError, RandomMap, Source,
-                    StateError, Step, merge_states)
+from zephon import (
+    Accumulator,
+    Filter,
+    FlatMap,
+    Loader,
+    Map,
+    PlanError,
+    RandomMap,
+    Source,
+    StateError,
+    Step,
+    merge_states,
+)
 from zephon.runners import processes, threads
 from zephon.sources.memory import ArraySource
 from zephon.verify import run_fingerprints

@@ -6,8 +6,19 @@ import os
 import numpy as np
 import pytest
 
-from zephon import (Filter, Loader, Map, Node, PlanError, RandomMap, Source, StateError, load_state,
-                    merge_states, save_state)
+from zephon import (
+    Filter,
+    Loader,
+    Map,
+    Node,
+    PlanError,
+    RandomMap,
+    Source,
+    StateError,
+    load_state,
+    merge_states,
+    save_state,
+)
 from zephon.backends import numpy as npb
 from zephon.sources.memory import ArraySource
 from zephon.verify import explain_mismatch, first_mismatch, lane_digests, run_fingerprints, step_fingerprint

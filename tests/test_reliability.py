@@ -9,8 +9,8 @@ The measured numbers (flips detected / tried, segments left after N kills, ...) 
 from __future__ import annotations
 
 import contextlib
-import math
 import json
+import math
 import os
 import pickle
 import random
@@ -622,8 +622,7 @@ def test_consumer_sigkill_leaves_no_shared_memory_and_no_worker(tmp_path):
 # ---------------------------------------------------------------- foreign files, bad arguments
 
 def test_every_source_names_a_foreign_file_and_never_raises_a_raw_builtin(tmp_path):
-    from zephon.sources import (ArrayRecordSource, JsonlSource, ParquetSource, write_array_record,
-                                write_parquet)
+    from zephon.sources import ArrayRecordSource, JsonlSource, ParquetSource, write_array_record, write_parquet
 
     write_parquet(tmp_path / "f.parquet", {"a": np.arange(10)}, row_group_size=5)
     write_array_record(tmp_path / "f.array_record", [b"x" * 10] * 10)
@@ -669,7 +668,7 @@ def _kids():
     return [Source_(100, 0), Source_(50, 1), Source_(70, 2)]
 
 
-def Source_(n, i):  # noqa: N802 - a repeated source, as mixes take them
+def Source_(n, i):
     from zephon import Source
 
     return Source(n, id=i).shuffle(i + 1).repeat()

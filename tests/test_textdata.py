@@ -13,15 +13,15 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-from zephon.corpus import _octave_table  # noqa: E402
-from zephon.errors import DecodeError  # noqa: E402
-from zephon.sources import (  # noqa: E402
+from zephon.corpus import _octave_table
+from zephon.errors import DecodeError
+from zephon.sources import (
     ArrayRecordSource,
     JsonlSource,
     RawBytes,
     write_array_record,
 )
-from zephon.textdata import (  # noqa: E402
+from zephon.textdata import (
     BOS_ID,
     EOS_ID,
     PAD_ID,

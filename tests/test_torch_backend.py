@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import _torch_ddp_worker as ddp_worker  # tests/ is on sys.path under pytest's rootdir conftest
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,9 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.utils.data import DataLoader
 
-import _torch_ddp_worker as ddp_worker  # tests/ is on sys.path under pytest's rootdir conftest
-from zephon import (Filter, Loader, PlanError, Source, StateError, load_state, merge_states,
-                    save_state)
+from zephon import Filter, Loader, PlanError, Source, StateError, load_state, merge_states, save_state
 from zephon.backends import numpy as npb
 from zephon.backends import torch as tb
 from zephon.ops.pack import Pack

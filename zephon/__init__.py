@@ -6,8 +6,8 @@ with the number of devices, hosts, workers, the micro-batch size, the backend, o
 
 from zephon.checkpoint import load_state, save_state
 from zephon.errors import DecodeError, PlanError, SourceError, StateError, WorkerError, ZephonError
-from zephon.exec.state import LaneState
 from zephon.exec.loader import Loader, LocalBatch, merge_states
+from zephon.exec.state import LaneState
 from zephon.ops.base import Accumulator, Operator, Step, Transform
 from zephon.ops.filter import Filter, FlatMap
 from zephon.ops.map import Map, RandomMap

@@ -87,7 +87,7 @@ class Lanes(Node, kind="Lanes"):
         """Stream position of input `index` of lane `lanes` (broadcast)."""
         return np.asarray(index, np.int64) * self.count + np.asarray(lanes, np.int64)
 
-    def batch(self, size: int) -> "Batch":
+    def batch(self, size: int) -> Batch:
         """The plan's root: global batches of `size` rows, `size / count` from every lane."""
         return Batch(self, size)
 

@@ -152,7 +152,7 @@ def _zephon_version() -> str:
         from importlib.metadata import version
 
         return version("zephon")
-    except Exception:  # noqa: BLE001 - not installed as a distribution (a source checkout)
+    except Exception:
         return "unknown"
 
 

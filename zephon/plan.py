@@ -21,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping as Mapping_
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Mapping as Mapping_, Sequence
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -57,16 +59,16 @@ class Refs:
     def __len__(self) -> int:
         return len(self.record)
 
-    def take(self, idx: np.ndarray | slice) -> "Refs":
+    def take(self, idx: np.ndarray | slice) -> Refs:
         return Refs(self.source[idx], self.record[idx], self.epoch[idx],
                     {k: v[idx] for k, v in self.extra.items()})
 
-    def with_extra(self, name: str, values: np.ndarray) -> "Refs":
+    def with_extra(self, name: str, values: np.ndarray) -> Refs:
         """These references with column `name` added (or replaced)."""
         return Refs(self.source, self.record, self.epoch, {**self.extra, name: values})
 
     @staticmethod
-    def concat(parts: Sequence["Refs"]) -> "Refs":
+    def concat(parts: Sequence[Refs]) -> Refs:
         names = sorted({k for p in parts for k in p.extra})
         extra = {k: np.concatenate([p.extra[k] if k in p.extra else
                                     np.full(len(p), Refs.EXTRA_FILL, np.int64) for p in parts])
@@ -86,7 +88,7 @@ def _positions(pos: np.ndarray | Sequence[int] | int) -> np.ndarray:
 class Node:
     """A stream of record references with random access by position."""
 
-    _registry: ClassVar[dict[str, type["Node"]]] = {}
+    _registry: ClassVar[dict[str, type[Node]]] = {}
     #: The node's name in plan JSON (`"type"`): part of the file format, so renaming or moving a
     #: class never breaks a saved plan. Set it with `class MyNode(Node, kind="my.Node")`.
     kind: ClassVar[str] = ""
@@ -125,29 +127,29 @@ class Node:
         return self._resolve(pos, np.zeros_like(pos))
 
     # --- fluent builder ----------------------------------------------------------------------
-    def shuffle(self, seed: int) -> "Shuffle":
+    def shuffle(self, seed: int) -> Shuffle:
         return Shuffle(self, seed)
 
-    def repeat(self, count: int | None = None) -> "Repeat":
+    def repeat(self, count: int | None = None) -> Repeat:
         return Repeat(self, count)
 
-    def slice(self, start: int = 0, stop: int | None = None, step: int = 1) -> "Slice":
+    def slice(self, start: int = 0, stop: int | None = None, step: int = 1) -> Slice:
         return Slice(self, start, stop, step)
 
-    def take(self, n: int) -> "Slice":
+    def take(self, n: int) -> Slice:
         return Slice(self, 0, n)
 
-    def skip(self, n: int) -> "Slice":
+    def skip(self, n: int) -> Slice:
         return Slice(self, n, None)
 
-    def lanes(self, count: int, mapping: Mapping = "contiguous") -> "Lanes":
+    def lanes(self, count: int, mapping: Mapping = "contiguous") -> Lanes:
         from zephon.batching import Lanes  # imported here: batching builds on this module
 
         return Lanes(self, count, mapping)
 
     @staticmethod
-    def mix(children: Sequence["Node"], weights: Sequence[float] | None = None,
-            by: Literal["samples", "tokens"] = "samples", count_field: str = "tokens") -> "Mix":
+    def mix(children: Sequence[Node], weights: Sequence[float] | None = None,
+            by: Literal["samples", "tokens"] = "samples", count_field: str = "tokens") -> Mix:
         from zephon.mixing import Mix  # imported here: mixing builds on this module
 
         children = tuple(children)
@@ -168,7 +170,7 @@ class Node:
         return out
 
     @staticmethod
-    def from_json(obj: dict[str, Any] | str) -> "Node":
+    def from_json(obj: dict[str, Any] | str) -> Node:
         obj = dict(json_object(
             obj,
             lambda e: PlanError(f"plan JSON is not valid ({e}); pass what Node.to_json() or "
@@ -344,11 +346,11 @@ class Slice(Node, kind="Slice"):
         return self.child._resolve(self.start + pos * self.step, epoch)
 
 
-def Take(child: Node, n: int) -> Slice:  # noqa: N802 - reads as a node in plan expressions
+def Take(child: Node, n: int) -> Slice:
     return Slice(child, 0, n)
 
 
-def Skip(child: Node, n: int) -> Slice:  # noqa: N802
+def Skip(child: Node, n: int) -> Slice:
     return Slice(child, n, None)
 
 

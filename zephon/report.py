@@ -5,8 +5,9 @@ PNG heat map of configurations x steps (`write_heatmap`). What `zephon verify` a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 

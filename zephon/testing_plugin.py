@@ -25,7 +25,8 @@ This module imports nothing heavy: Zephon is imported when a check runs.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -50,7 +51,7 @@ class ZephonVerify:
         self.steps = steps
         self.forced_steps = forced_steps
 
-    def __call__(self, factory: Any, steps: int | None = None) -> "ZephonVerify":
+    def __call__(self, factory: Any, steps: int | None = None) -> ZephonVerify:
         """The same checks for another factory."""
         return ZephonVerify(factory, self.steps if steps is None else steps, self.forced_steps)
 

@@ -13,8 +13,9 @@ differing row and `Divergence` names it. The report of a whole configuration mat
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ def _hash_objects(h: Any, values: Iterable[Any]) -> None:
         h.update(b)
 
 
-def _hash_field(h: "hashlib._Hash", name: str, arr: np.ndarray) -> None:
+def _hash_field(h: hashlib._Hash, name: str, arr: np.ndarray) -> None:
     arr = np.asarray(arr)
     h.update(f"{name}|{arr.dtype.str}|{arr.shape}|".encode())
     if arr.dtype == object:
@@ -165,7 +166,7 @@ class LaneRecord:
         return [self.digest, {k: [d, list(r)] for k, (d, r) in self.fields.items()}]
 
     @staticmethod
-    def from_json(obj: Sequence[Any]) -> "LaneRecord":
+    def from_json(obj: Sequence[Any]) -> LaneRecord:
         return LaneRecord(obj[0], {k: (d, tuple(r)) for k, (d, r) in obj[1].items()})
 
 

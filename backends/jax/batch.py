@@ -10,8 +10,9 @@ micro-batches' blocks concatenated) gives the batch back.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -95,7 +96,7 @@ class JaxBatch(dict):
     """`{field: jax.Array}` of a global batch, with `micro_batches(n)`; a pytree like `dict`
     (flattened in sorted key order), so it goes straight into `jax.jit` functions."""
 
-    def micro_batches(self, n: int) -> list["JaxBatch"]:
+    def micro_batches(self, n: int) -> list[JaxBatch]:
         """`n` micro-batches, each sharded like the batch (see `micro_batches`)."""
         return micro_batches(self, n)
 

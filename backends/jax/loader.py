@@ -13,7 +13,8 @@ import collections
 import copy
 import logging
 import weakref
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -88,7 +89,7 @@ class JaxLoader:
         """The next global batch the caller will receive."""
         return int(self._state["step"])
 
-    def __iter__(self) -> "JaxLoader":
+    def __iter__(self) -> JaxLoader:
         return self
 
     def __next__(self) -> JaxBatch:
@@ -153,7 +154,7 @@ class JaxLoader:
         self._loader.close()
         self._ended = _End()
 
-    def __enter__(self) -> "JaxLoader":
+    def __enter__(self) -> JaxLoader:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -97,5 +97,5 @@ def _produce(loader: Loader, emit: Emitter, out: queue.Queue[Item], stop: thread
                 put(_End())
                 return
             put((emit.host(batch), loader.position()))
-    except BaseException as e:  # noqa: BLE001 - every failure must reach the consumer
+    except BaseException as e:
         put(_Failure(e))

@@ -18,8 +18,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,7 +40,7 @@ _TENSOR_DTYPES = frozenset(np.dtype(d) for d in (
 class TorchBatch(dict):
     """`{field: Tensor}` (numpy arrays for fields torch cannot hold) with `micro_batches(n)`."""
 
-    def micro_batches(self, n: int) -> list["TorchBatch"]:
+    def micro_batches(self, n: int) -> list[TorchBatch]:
         """`n` micro-batches (see `micro_batches`)."""
         return micro_batches(self, n)
 
@@ -136,7 +137,7 @@ class Emitter:
 
     @staticmethod
     def make(dtypes: Mapping[str, Any] | None = None, pin_memory: bool = False,
-             device: str | torch.device | None = None) -> "Emitter":
+             device: str | torch.device | None = None) -> Emitter:
         casts = {str(k): torch_dtype(v) for k, v in (dtypes or {}).items()}
         pin = bool(pin_memory) and _can_pin()
         if pin_memory and not pin:

@@ -10,7 +10,8 @@ that change the number of records (filters, packing): each takes a block of the 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch

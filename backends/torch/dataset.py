@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
@@ -38,7 +39,7 @@ class WorkerPart:
     data: dict[str, Any]
     position: dict[str, Any]
 
-    def pin_memory(self) -> "WorkerPart":
+    def pin_memory(self) -> WorkerPart:
         return self  # pinned once, after the parts are concatenated (`ZephonDataLoader`)
 
 
@@ -66,7 +67,7 @@ class ZephonIterableDataset(IterableDataset):
 
     def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Transform] = (), *,
                  seed: int = 0, rank: int | None = None, world: int | None = None,
-                 group: "dist.ProcessGroup | None" = None, runner: Runner | None = None, start_step: int = 0,
+                 group: dist.ProcessGroup | None = None, runner: Runner | None = None, start_step: int = 0,
                  dtypes: Mapping[str, Any] | None = None, **loader_options: Any) -> None:
         self.plan, self.sources, self.transforms = plan, sources, tuple(transforms)
         self.loader_options = loader_options

@@ -5,7 +5,8 @@ Parallelism comes from a Zephon runner; optional `DTensor` output over a device 
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ class TorchLoader:
 
     def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Transform] = (), *,
                  seed: int = 0, rank: int | None = None, world: int | None = None,
-                 group: "dist.ProcessGroup | None" = None, mesh: Any = None, mesh_dims: MeshDims = None,
+                 group: dist.ProcessGroup | None = None, mesh: Any = None, mesh_dims: MeshDims = None,
                  runner: Runner | None = None, start_step: int = 0, dtypes: Mapping[str, Any] | None = None,
                  pin_memory: bool = False, device: str | torch.device | None = None,
                  **loader_options: Any) -> None:
@@ -66,7 +67,7 @@ class TorchLoader:
         """The next global batch this loader yields."""
         return self.loader.step
 
-    def __iter__(self) -> "TorchLoader":
+    def __iter__(self) -> TorchLoader:
         return self
 
     def __next__(self) -> dict[str, Any]:
@@ -85,7 +86,7 @@ class TorchLoader:
     def close(self) -> None:
         self.loader.close()
 
-    def __enter__(self) -> "TorchLoader":
+    def __enter__(self) -> TorchLoader:
         return self
 
     def __exit__(self, *exc: Any) -> None:

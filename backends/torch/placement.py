@@ -10,7 +10,8 @@ batch for every degree `D` dividing the lane count. `to_dtensors` wraps a rank's
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ MeshDims = str | int | Sequence[str | int] | None
 
 
 def data_parallel(rank: int | None = None, world: int | None = None,
-                  group: "dist.ProcessGroup | None" = None) -> tuple[int, int]:
+                  group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """(rank, world) given, else from `torch.distributed` (in `group`), else (0, 1).
 
     Pass them explicitly when the data-parallel group is not the default one, e.g. with tensor

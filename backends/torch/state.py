@@ -13,7 +13,8 @@ with workers and is refused only by `state_dict()`.
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from zephon.exec.loader import Loader
 

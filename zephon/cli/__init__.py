@@ -28,13 +28,13 @@ import argparse
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
+from zephon import __version__
 from zephon.cli import bench, demo, explain, verify
 from zephon.cli.demo import SPEC, make_dataset
 from zephon.cli.pipelines import DEMO_PIPELINES, demo_filter, demo_lm, demo_shuffle
 from zephon.cli.usage import UsageError, _Parser
-from zephon import __version__
 from zephon.errors import ZephonError
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from zephon.cli.usage import UsageError
 
+
 def cmd_bench(args: argparse.Namespace) -> int:
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"  # zephon/cli/bench.py
     if not script.exists():

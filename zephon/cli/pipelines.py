@@ -14,6 +14,7 @@ from zephon.ops import Filter
 from zephon.plan import Source
 from zephon.sources import ArrayRecordSource
 
+
 def _demo_dir() -> Path:
     """Generated demo data, made once per machine and reused (ZEPHON_DEMO_DATA moves it)."""
     root = Path(os.environ.get("ZEPHON_DEMO_DATA") or Path(tempfile.gettempdir()) / f"zephon-demo-data-{os.getuid()}")

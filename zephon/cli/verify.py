@@ -103,8 +103,8 @@ def verify_configs(args: argparse.Namespace) -> list[Any]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from zephon.testing import Builder, verify
     from zephon.report import write_heatmap
+    from zephon.testing import Builder, verify
 
     if args.steps < 2:
         raise UsageError(f"--steps {args.steps}: run at least 2 steps")

@@ -87,7 +87,7 @@ class LocalBatch:
             out.append(row)
         return out
 
-    def micro_batches(self, n: int) -> list["LocalBatch"]:
+    def micro_batches(self, n: int) -> list[LocalBatch]:
         """`n` micro-batches for gradient accumulation: equal, consecutive blocks of the rows
         (views, no copy), `refs` and `segments` cut with them.
 

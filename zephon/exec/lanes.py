@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from zephon.errors import PlanError, StateError
-from zephon.exec.windows import (Provenance, Window, WindowTask, concat_cols, rematerialize,
-                                 take_rows, window_size)
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.schedule import TokenSchedule
 from zephon.exec.state import LaneState, canonical
+from zephon.exec.windows import Provenance, Window, WindowTask, concat_cols, rematerialize, take_rows, window_size
 from zephon.plan import Batch, Mix, Refs
 from zephon.sources.base import Columns, RecordSource
 

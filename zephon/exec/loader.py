@@ -13,7 +13,8 @@ What it yields, `LocalBatch` (with `micro_batches(n)`), is defined in `zephon.ex
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,8 +24,7 @@ from zephon.exec.batch import LocalBatch, check_micro_count
 from zephon.exec.lanes import LaneEngine
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.state import LaneState
-from zephon.exec.steps import (READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps,
-                               leaf_sources)
+from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps, leaf_sources
 from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transforms
 from zephon.ops.mix import PerSource
 from zephon.plan import Batch, Mix, Refs, plan_diff
@@ -136,7 +136,7 @@ class Loader:
         """The next global batch this loader will yield."""
         return self._step
 
-    def __iter__(self) -> "Loader":
+    def __iter__(self) -> Loader:
         return self
 
     def _batch(self, step: int, cols: Columns, refs: Refs | None = None,
@@ -216,7 +216,7 @@ class Loader:
         if closer is not None:
             closer()
 
-    def __enter__(self) -> "Loader":
+    def __enter__(self) -> Loader:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -6,8 +6,9 @@ lane order; what follows it must keep one output per input, so it cannot move a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from zephon.errors import PlanError
 from zephon.ops.base import Accumulator, Transform
@@ -22,7 +23,7 @@ class LanePipeline:
     post: tuple[Transform, ...] = ()
 
     @staticmethod
-    def split(ops: Sequence[Any]) -> "LanePipeline":
+    def split(ops: Sequence[Any]) -> LanePipeline:
         rows: list[Transform] = []
         acc: Accumulator | None = None
         post: list[Transform] = []

@@ -9,8 +9,8 @@ rather than of how the engine fetches windows.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -31,7 +31,7 @@ class TokenSchedule:
     count_field: str
 
     @staticmethod
-    def of(mix: Mix) -> "TokenSchedule":
+    def of(mix: Mix) -> TokenSchedule:
         w = mix.normalized
         return TokenSchedule(np.where(w > 0, 1.0 / np.where(w > 0, w, 1.0), np.inf), mix.count_field)
 

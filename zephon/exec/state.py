@@ -8,8 +8,9 @@ named by position (`[branch, input, output]`), and its JSON carry. Never data, n
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,7 @@ class LaneState:
     carry: Any = None
 
     @staticmethod
-    def start(branches: int = 1, cursor: int = 0, mixed: bool = False) -> "LaneState":
+    def start(branches: int = 1, cursor: int = 0, mixed: bool = False) -> LaneState:
         return LaneState((cursor,) * branches, (0,) * branches, (0,) * branches if mixed else ())
 
     def to_json(self, carry: bool = False) -> dict[str, Any]:
@@ -47,7 +48,7 @@ class LaneState:
 
     @staticmethod
     def from_json(obj: Any, lane: int | str = "?", branches: int = 1, mixed: bool = False,
-                  limits: Sequence[int | None] = ()) -> "LaneState":
+                  limits: Sequence[int | None] = ()) -> LaneState:
         """Parses and checks one lane's JSON; `limits` are the inputs each branch's lane has."""
         where = f"lane {lane} of the state"
         if not isinstance(obj, Mapping):

@@ -12,8 +12,9 @@ from __future__ import annotations
 import itertools
 import sys
 import traceback
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

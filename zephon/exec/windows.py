@@ -10,8 +10,9 @@ the first batch comes quickly and later reads are large; where windows fall chan
 from __future__ import annotations
 
 import traceback
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -92,7 +93,7 @@ class WindowTask:
                 cols, src = run_transforms(self.rows, read_refs(self.sources, refs), refs, self.seed)
             else:  # past a finite lane's end: nothing to read or transform
                 cols, src = {}, np.zeros(0, np.int64)
-        except Exception as e:  # noqa: BLE001 - raised in the consumer when the window is needed
+        except Exception as e:
             empty = np.zeros(0, np.int64)
             return Window(branch, w, {}, empty, empty, Refs(empty, empty, empty),
                           np.zeros(n + 1, np.int64), ended, e, traceback.format_exc())

@@ -22,8 +22,9 @@ refuses it with a message saying how to declare one (`Map(fn, name=..., version=
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -165,7 +166,7 @@ def call_on_record(fn: Callable[..., Any], what: str, refs: Refs, i: int, *args:
     """Calls a per-record function; a failure names the record (nothing is skipped)."""
     try:
         return fn(*args)
-    except Exception as e:  # noqa: BLE001 - re-raised with the record named
+    except Exception as e:
         raise DecodeError(f"{what} failed on record {int(refs.record[i])} of source "
                           f"{int(refs.source[i])} (epoch {int(refs.epoch[i])}): {e!r}. Fix the "
                           "transform or the record; nothing was skipped.") from e

@@ -7,13 +7,14 @@ because their carry is empty.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
-from zephon.errors import PlanError
 from zephon.columns import to_records
+from zephon.errors import PlanError
 from zephon.ops.base import Transform, call_on_record, stack_records
 from zephon.plan import Refs
 from zephon.sources.base import Columns

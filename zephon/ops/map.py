@@ -7,9 +7,9 @@ record alone, whichever thread or process runs it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
-
+from typing import Any
 
 from zephon.columns import to_records
 from zephon.ops.base import Transform, call_on_record, record_rng, record_seeds, stack_records

@@ -10,8 +10,9 @@ random access, applied inside every lane); by tokens the lane engine schedules i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 

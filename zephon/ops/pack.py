@@ -146,7 +146,7 @@ class Pack(Accumulator):
         return self._step(carry, held, new, demand, final=True)
 
     def _step(self, carry: Any, held: Columns, new: Columns, demand: int, final: bool) -> Step:
-        if held and self.field not in held or new and self.field not in new:
+        if (held and self.field not in held) or (new and self.field not in new):
             have = sorted(held or new)
             raise PlanError(f"Pack reads token column {self.field!r}, but the rows have {have}; "
                             "tokenize first or set Pack(field=...).")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field as dc_field
-from typing import Any, Literal, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from dataclasses import field as dc_field
+from typing import Any, Literal
 
 import numpy as np
 
@@ -34,7 +36,7 @@ def _load_hf(spec: Any) -> Any:
                         "model hub here: train one with zephon.textdata.train_bpe and save it).")
     try:
         return tokenizers.Tokenizer.from_file(path)
-    except Exception as e:  # noqa: BLE001 - named for the user
+    except Exception as e:
         raise PlanError(f"{path} is not a tokenizers JSON file ({e}); save one with "
                         "Tokenizer.save(path).") from e
 

@@ -34,8 +34,19 @@ from zephon.runners.inline import Inline
 from zephon.runners.processes import Processes
 from zephon.runners.threads import Threads
 
-__all__ = ["Runner", "Inline", "Threads", "Processes", "RemoteTraceback", "WorkerError",
-           "available_cores", "inline", "threads", "processes", "from_spec"]
+__all__ = [
+    "Inline",
+    "Processes",
+    "RemoteTraceback",
+    "Runner",
+    "Threads",
+    "WorkerError",
+    "available_cores",
+    "from_spec",
+    "inline",
+    "processes",
+    "threads",
+]
 
 
 def inline() -> Inline:

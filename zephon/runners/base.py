@@ -18,7 +18,8 @@ swapped for speed alone. The contract is small on purpose:
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterable, Iterator, Protocol, TypeVar, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol, TypeVar, runtime_checkable
 
 T = TypeVar("T")
 R = TypeVar("R")

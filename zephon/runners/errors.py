@@ -44,7 +44,7 @@ def _picklable(exc: BaseException) -> bytes | None:
         blob = pickle.dumps(exc)
         pickle.loads(blob)
         return blob
-    except Exception:  # noqa: BLE001 - an unpicklable exception travels as text only
+    except Exception:
         return None
 
 

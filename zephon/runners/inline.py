@@ -6,8 +6,8 @@ prefetch, so nothing to start, close or leak, and tracebacks point straight at t
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 from zephon.runners.base import R, T
 

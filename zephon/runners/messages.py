@@ -94,7 +94,7 @@ class Run(_Message):
         return (self.KIND, self.item, slot, self.fresh, self.retired, self.lend)
 
     @classmethod
-    def from_wire(cls, wire: tuple[Any, ...]) -> "Run":
+    def from_wire(cls, wire: tuple[Any, ...]) -> Run:
         _, item, slot, fresh, retired, lend = wire
         return cls(item, None if slot is None else SlotRef(*slot), fresh, retired, lend)
 

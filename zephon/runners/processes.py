@@ -24,8 +24,9 @@ import pickle
 import socket
 import weakref
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from zephon.errors import WorkerError
 from zephon.runners import errors
@@ -59,7 +60,7 @@ class _Worker:
     mapped: set[str] = field(default_factory=set)  # slots this worker has mapped
 
 
-_LIVE: "weakref.WeakSet[Processes]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Processes] = weakref.WeakSet()
 
 
 @atexit.register
@@ -171,10 +172,10 @@ class Processes:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
+        except Exception:
             pass
 
-    def __enter__(self) -> "Processes":
+    def __enter__(self) -> Processes:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -293,7 +294,7 @@ class Processes:
         buffers = self._pool.unpack(msg, task.slot, fd)
         try:
             return pickle.loads(msg.payload, buffers=buffers)
-        except Exception as e:  # noqa: BLE001 - any unpickling failure is the same problem
+        except Exception as e:
             raise errors.result_unpicklable(task.index, e) from e
 
     def _drain(self) -> None:
@@ -305,7 +306,7 @@ class Processes:
                 except WorkerError:
                     self.close()
                     raise
-                except Exception:  # noqa: BLE001 - the consumer no longer wants this result
+                except Exception:
                     pass
 
     def _death(self, w: _Worker, doing: str) -> WorkerError:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from zephon.runners.base import END, R, T, available_cores, positive
 

@@ -20,7 +20,8 @@ import pickle
 import select
 import signal
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from zephon.runners.errors import failure
 from zephon.runners.messages import Done, Failed, Run, SetFunction, Stop, decode, encode
@@ -47,7 +48,7 @@ def worker_main(conn: mpc.Connection, index: int, consumer: int | None = None) -
         if isinstance(msg, SetFunction):
             try:
                 fn, fn_error = pickle.loads(msg.blob), None
-            except BaseException as e:  # noqa: BLE001 - reported with every item instead
+            except BaseException as e:
                 fn, fn_error = None, e
             continue
         assert isinstance(msg, Run), msg
@@ -67,7 +68,7 @@ def worker_main(conn: mpc.Connection, index: int, consumer: int | None = None) -
             if fn_error is not None:
                 raise fn_error
             reply, fd = pack(fn(msg.item), msg.slot, msg.fresh, maps)  # type: ignore[misc]
-        except BaseException as e:  # noqa: BLE001 - every failure goes back to the consumer
+        except BaseException as e:
             reply = failure(e)
         try:
             conn.send(encode(reply))

@@ -21,13 +21,15 @@ from typing import Any
 
 import numpy as np
 
+from ..columns import flatten as flatten_dict
+from ..columns import objects as _objects
+from ..columns import stack as stack_values
 from ..errors import DecodeError, SourceError
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
 from .jsonl_schema import KINDS, checker, hint, kind_of, merge, short, validate_schema
 from .paths import Paths, expand_paths
-from ..columns import flatten as flatten_dict, objects as _objects, stack as stack_values
 
 __all__ = ["INFER_RECORDS", "KINDS", "JsonlSource"]
 

@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from ..columns import flatten as flatten_dict
+from ..columns import to_columns as rows_to_columns
 from ..errors import DecodeError, SourceError
 from .base import Columns, as_indices
-from ..columns import flatten as flatten_dict, to_columns as rows_to_columns
 
 
 class TFDSSource:

@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
+from zephon.report import Report
 from zephon.testing.configs import REFERENCE, Config, Segment, matrix
 from zephon.testing.pipeline import Builder, Factory
 from zephon.testing.runs import verify
-from zephon.report import Report
 
 
 class DeterminismError(AssertionError):

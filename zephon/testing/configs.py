@@ -5,8 +5,9 @@ text like `numpy D=2 @10 -> jax mesh=2x4`) and the default `matrix` of them."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 from zephon.errors import PlanError
 
@@ -85,7 +86,7 @@ class Config:
         return self.name
 
     @staticmethod
-    def parse(text: str) -> "Config":
+    def parse(text: str) -> Config:
         """`"numpy D=2 runner=threads:2"`, `"jax mesh=2x4 micro=2"`, `"torch D=2 workers=2"`,
         `"jax procs=2 mesh=2x4"`, `"numpy D=2 @10 -> jax mesh=8"` (a stop after 10 steps)."""
         segs = []

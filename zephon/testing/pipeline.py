@@ -9,15 +9,17 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from zephon.errors import PlanError, ZephonError
 from zephon.exec.loader import Loader
 from zephon.plan import Batch, Node
+
 
 class FactoryError(ZephonError, ValueError):
     """The pipeline factory cannot be found, imported or called, or returned something else."""
@@ -64,7 +66,7 @@ class Pipeline:
         return None
 
     @staticmethod
-    def of(obj: Any, what: str = "the factory") -> "Pipeline":
+    def of(obj: Any, what: str = "the factory") -> Pipeline:
         """A `Pipeline` from what a factory returned (see the module doc)."""
         if isinstance(obj, Pipeline):
             return obj
@@ -90,7 +92,7 @@ class Pipeline:
                            "zephon.compat.grain.Dataset ending in .batch(B).")
 
     @staticmethod
-    def from_plan(plan: Batch) -> "Pipeline":
+    def from_plan(plan: Batch) -> Pipeline:
         """A pipeline that loads, for every row, its (source, record) — to verify a plan alone
         (e.g. one saved as JSON), without its data."""
         from zephon.exec.steps import leaf_sources
@@ -272,6 +274,6 @@ class Builder:
             obj = self.fn(**kw)
         except (FactoryError, ZephonError):
             raise
-        except Exception as e:  # noqa: BLE001 - the user's code: name it, keep the cause
+        except Exception as e:
             raise FactoryError(f"{what} raised {type(e).__name__}: {e}") from e
         return Pipeline.of(obj, what)

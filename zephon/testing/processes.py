@@ -11,9 +11,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,8 +22,15 @@ from zephon.errors import PlanError
 from zephon.exec.loader import merge_states
 from zephon.testing.configs import Config, Segment
 from zephon.testing.pipeline import Builder
-from zephon.testing.sessions import (_FAKE_DEVICES, _check_degree, _JaxSession, _NotApplicable, _runner,
-                                     _torch_columns, _torch_round_trip)
+from zephon.testing.sessions import (
+    _FAKE_DEVICES,
+    _check_degree,
+    _JaxSession,
+    _NotApplicable,
+    _runner,
+    _torch_columns,
+    _torch_round_trip,
+)
 from zephon.verify import LaneRecord, StepRecord, lane_records
 
 

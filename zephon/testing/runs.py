@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
 from zephon.errors import PlanError
 from zephon.exec.loader import LocalBatch
+from zephon.report import Report, RunResult
 from zephon.testing.configs import REFERENCE, Config
 from zephon.testing.pipeline import Builder, Factory
 from zephon.testing.processes import _run_processes
 from zephon.testing.sessions import _NotApplicable, _session
-from zephon.report import Report, RunResult
 from zephon.verify import Divergence, StepRecord, compare_steps, describe_row, lane_records, record_fingerprint
 
 
@@ -170,7 +171,7 @@ def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *
                 results.append(RunResult(cfg.name, "n/a", note=str(e), seconds=time.perf_counter() - t))
             except (KeyboardInterrupt, SystemExit):
                 raise
-            except BaseException as e:  # noqa: BLE001 - a failing configuration is a result
+            except BaseException as e:
                 results.append(RunResult(cfg.name, "error", note=f"{type(e).__name__}: {e}",
                                          seconds=time.perf_counter() - t,
                                          detail="".join(traceback.format_exception(e)[-4:])))

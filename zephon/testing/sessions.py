@@ -10,8 +10,9 @@ import io
 import json
 import math
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
