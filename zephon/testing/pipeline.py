@@ -72,7 +72,8 @@ class Pipeline:
             return obj
         if isinstance(obj, Batch):
             return Pipeline.from_plan(obj)
-        if type(obj).__name__ == "Dataset" and type(obj).__module__.endswith("compat.grain"):
+        zg = sys.modules.get("zephon.compat.grain")  # loaded if obj can be one of its Datasets
+        if zg is not None and isinstance(obj, zg.Dataset):
             if not obj.batched:
                 raise FactoryError(f"{what} returned a zephon.compat.grain Dataset without .batch(B); "
                                    "verification compares global batches, so end the pipeline in batch().")
