@@ -121,9 +121,50 @@ def _doc_lengths(bits: _Bits, n_docs: int) -> np.ndarray:
 # Vocabulary. Frequent English words first (roughly by frequency), then numbers and invented
 # words and names: the tail makes a small BPE split words into pieces, as real text does.
 
-_COMMON = ["the", "of", "and", "to", "a", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she", "there", "been", "one", "all", "we", "their", "has", "would", "when", "if", "so", "no", "will", "more", "can", "its", "out", "into", "who", "them", "than", "some", "other", "time", "only", "new", "these", "two", "may", "first", "then", "do", "any", "like", "my", "now", "over", "such", "our", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same", "another", "know", "while", "last", "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came", "right", "used", "take", "three", "states", "himself", "few", "house", "use", "during", "without", "again", "place", "american", "around", "however", "home", "small", "found", "thought", "went", "say", "part", "once", "general", "high", "upon", "school", "every", "does", "got", "united", "left", "number", "course", "war", "until", "always", "away", "something", "fact", "though", "water", "less", "public", "put", "think", "almost", "hand", "enough", "far", "took", "head", "yet", "government", "system", "better", "set", "told", "nothing", "night", "end", "why", "called", "didn't", "eyes", "find", "going", "look", "asked", "later", "knew", "point", "next", "program", "city", "business", "give", "group", "toward", "young", "days", "let", "room", "president", "side", "social", "given", "present", "several", "order", "national", "possible", "rather", "second", "face", "per", "among", "form", "important", "often", "things", "looked", "early", "white", "case", "john", "become", "large", "big", "need", "four", "within", "felt", "along", "children", "saw", "best", "church", "ever", "least", "power", "development", "light", "thing", "seemed", "family", "interest", "want", "members", "mind", "country", "area", "others", "done", "turned", "although", "open", "god", "service", "certain", "kind", "problem", "began", "different", "door", "thus", "help", "sense", "means", "whole", "matter", "perhaps", "itself", "york", "it's", "times", "law", "human", "line", "above", "name", "example", "action", "company", "hands", "local", "show", "whether", "five", "history", "gave", "today", "either", "act", "feet", "across", "taken", "past", "quite", "anything", "seen", "having", "death", "experience", "body", "word", "half", "really", "field", "week", "words", "already", "information", "tell", "together", "college", "shall", "money", "period", "held", "keep", "sure", "free", "real", "probably", "seems", "behind", "cannot", "miss", "political", "air", "question", "making", "office", "brought", "whose", "special", "major", "heard", "problems", "federal", "became", "study", "ago", "moment", "available", "known", "result", "street", "economic", "boy", "position", "reason", "change", "south", "board", "individual", "job", "society", "areas", "west", "close", "turn", "love", "community", "true", "court", "force", "full", "seem", "am", "policy", "wife", "future", "age", "voice", "center", "woman", "control", "common", "necessary", "following", "front", "sometimes", "six", "girl", "clear", "further", "land", "run", "students", "provide", "feel", "party", "able", "mother", "music", "education", "university", "child", "effect", "level", "stood", "military", "town", "short", "morning", "total", "outside", "rate", "figure", "class", "art", "century", "washington", "north", "usually", "leave", "therefore", "evidence", "percent", "black", "strong", "tax", "believe", "similar", "plan", "surface", "river", "data", "road", "language", "model", "signal", "energy", "network", "memory", "method", "process", "value", "results", "theory", "pressure", "research", "market", "training", "storage", "distance", "structure", "material", "function", "between", "ocean", "mountain", "forest", "winter", "summer", "garden", "window", "letter", "paper", "story", "question", "answer"]
+_COMMON = ["the", "of", "and", "to", "a", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not",
+           "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her",
+           "she", "there", "been", "one", "all", "we", "their", "has", "would", "when", "if", "so", "no", "will",
+           "more", "can", "its", "out", "into", "who", "them", "than", "some", "other", "time", "only", "new", "these",
+           "two", "may", "first", "then", "do", "any", "like", "my", "now", "over", "such", "our", "man", "me", "even",
+           "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where",
+           "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too",
+           "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work", "long", "get",
+           "here", "between", "both", "life", "being", "under", "never", "day", "same", "another", "know", "while",
+           "last", "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came", "right",
+           "used", "take", "three", "states", "himself", "few", "house", "use", "during", "without", "again", "place",
+           "american", "around", "however", "home", "small", "found", "thought", "went", "say", "part", "once",
+           "general", "high", "upon", "school", "every", "does", "got", "united", "left", "number", "course", "war",
+           "until", "always", "away", "something", "fact", "though", "water", "less", "public", "put", "think",
+           "almost", "hand", "enough", "far", "took", "head", "yet", "government", "system", "better", "set", "told",
+           "nothing", "night", "end", "why", "called", "didn't", "eyes", "find", "going", "look", "asked", "later",
+           "knew", "point", "next", "program", "city", "business", "give", "group", "toward", "young", "days", "let",
+           "room", "president", "side", "social", "given", "present", "several", "order", "national", "possible",
+           "rather", "second", "face", "per", "among", "form", "important", "often", "things", "looked", "early",
+           "white", "case", "john", "become", "large", "big", "need", "four", "within", "felt", "along", "children",
+           "saw", "best", "church", "ever", "least", "power", "development", "light", "thing", "seemed", "family",
+           "interest", "want", "members", "mind", "country", "area", "others", "done", "turned", "although", "open",
+           "god", "service", "certain", "kind", "problem", "began", "different", "door", "thus", "help", "sense",
+           "means", "whole", "matter", "perhaps", "itself", "york", "it's", "times", "law", "human", "line", "above",
+           "name", "example", "action", "company", "hands", "local", "show", "whether", "five", "history", "gave",
+           "today", "either", "act", "feet", "across", "taken", "past", "quite", "anything", "seen", "having", "death",
+           "experience", "body", "word", "half", "really", "field", "week", "words", "already", "information", "tell",
+           "together", "college", "shall", "money", "period", "held", "keep", "sure", "free", "real", "probably",
+           "seems", "behind", "cannot", "miss", "political", "air", "question", "making", "office", "brought", "whose",
+           "special", "major", "heard", "problems", "federal", "became", "study", "ago", "moment", "available", "known",
+           "result", "street", "economic", "boy", "position", "reason", "change", "south", "board", "individual", "job",
+           "society", "areas", "west", "close", "turn", "love", "community", "true", "court", "force", "full", "seem",
+           "am", "policy", "wife", "future", "age", "voice", "center", "woman", "control", "common", "necessary",
+           "following", "front", "sometimes", "six", "girl", "clear", "further", "land", "run", "students", "provide",
+           "feel", "party", "able", "mother", "music", "education", "university", "child", "effect", "level", "stood",
+           "military", "town", "short", "morning", "total", "outside", "rate", "figure", "class", "art", "century",
+           "washington", "north", "usually", "leave", "therefore", "evidence", "percent", "black", "strong", "tax",
+           "believe", "similar", "plan", "surface", "river", "data", "road", "language", "model", "signal", "energy",
+           "network", "memory", "method", "process", "value", "results", "theory", "pressure", "research", "market",
+           "training", "storage", "distance", "structure", "material", "function", "between", "ocean", "mountain",
+           "forest", "winter", "summer", "garden", "window", "letter", "paper", "story", "question", "answer"]
 
-_SYLLABLES = ["ka", "ri", "to", "na", "me", "lo", "su", "vi", "de", "ra", "mo", "ne", "ta", "li", "ko", "sa", "pe", "ru", "mi", "ho", "an", "el", "or", "in", "us", "ter", "ven", "dor", "mal"]
+_SYLLABLES = ["ka", "ri", "to", "na", "me", "lo", "su", "vi", "de", "ra", "mo", "ne", "ta", "li", "ko", "sa", "pe",
+              "ru", "mi", "ho", "an", "el", "or", "in", "us", "ter", "ven", "dor", "mal"]
 
 
 def _invented_words(n: int, capitalize: bool, salt: int) -> list[str]:
@@ -203,9 +244,20 @@ def _generate_prose(n_docs: int, seed: int) -> list[str]:
     return ["".join(pieces[a:b].tolist()).rstrip() for a, b in zip(starts.tolist(), ends.tolist())]
 
 
-_IDENTS = ["self", "x", "y", "i", "j", "n", "k", "data", "result", "value", "values", "items", "item", "key", "keys", "name", "names", "config", "path", "size", "count", "index", "offset", "buffer", "state", "options", "args", "kwargs", "line", "lines", "text", "token", "tokens", "batch", "batches", "record", "records", "source", "sources", "node", "nodes", "parent", "child", "children", "seed", "step", "steps", "row", "rows", "column", "columns", "field", "fields", "start", "stop", "end", "length", "total", "shape", "dtype", "array", "arrays", "output", "inputs", "outputs", "params", "param", "weights", "weight", "cache", "table", "mapping", "lookup", "reader", "writer", "stream", "file", "files", "handle", "client", "server", "request", "response", "message", "error", "errors", "logger", "timeout", "retries"]
-_CLASSES = ["Reader", "Writer", "Config", "Loader", "Parser", "Buffer", "Cache", "Table", "Node", "Record", "Source", "Stream", "Batch", "Plan", "Worker", "Client", "Server", "Request", "Response", "Handler", "Manager", "Builder", "Registry", "Schema", "Encoder", "Decoder"]
-_FUNCS = ["read", "write", "load", "save", "parse", "build", "make", "get", "set", "update", "reset", "close", "open", "run", "start", "stop", "apply", "merge", "split", "join", "encode", "decode", "validate", "check", "compute", "fetch", "send", "emit", "flush", "resolve", "convert"]
+_IDENTS = ["self", "x", "y", "i", "j", "n", "k", "data", "result", "value", "values", "items", "item", "key", "keys",
+           "name", "names", "config", "path", "size", "count", "index", "offset", "buffer", "state", "options", "args",
+           "kwargs", "line", "lines", "text", "token", "tokens", "batch", "batches", "record", "records", "source",
+           "sources", "node", "nodes", "parent", "child", "children", "seed", "step", "steps", "row", "rows", "column",
+           "columns", "field", "fields", "start", "stop", "end", "length", "total", "shape", "dtype", "array", "arrays",
+           "output", "inputs", "outputs", "params", "param", "weights", "weight", "cache", "table", "mapping", "lookup",
+           "reader", "writer", "stream", "file", "files", "handle", "client", "server", "request", "response",
+           "message", "error", "errors", "logger", "timeout", "retries"]
+_CLASSES = ["Reader", "Writer", "Config", "Loader", "Parser", "Buffer", "Cache", "Table", "Node", "Record", "Source",
+            "Stream", "Batch", "Plan", "Worker", "Client", "Server", "Request", "Response", "Handler", "Manager",
+            "Builder", "Registry", "Schema", "Encoder", "Decoder"]
+_FUNCS = ["read", "write", "load", "save", "parse", "build", "make", "get", "set", "update", "reset", "close", "open",
+          "run", "start", "stop", "apply", "merge", "split", "join", "encode", "decode", "validate", "check", "compute",
+          "fetch", "send", "emit", "flush", "resolve", "convert"]
 
 # Templates: {a} {b} {c} identifiers, {f} a function name, {C} a class name, {n} a number.
 # The first field says how the line changes the indentation level after it.
@@ -262,10 +314,10 @@ def _generate_code(n_docs: int, seed: int) -> list[str]:
     # body.
     template: list[str] = [""] * total
     indent: list[str] = [""] * total
-    i = 0
+    start = 0
     for n_lines in lines_per_doc.tolist():
         level = 0
-        for i in range(i, i + n_lines):
+        for i in range(start, start + n_lines):
             indent[i] = "    " * level if level else "\n"
             if level == 0 or (is_header[i] and level < 3):
                 template[i] = headers[header[i]] if level else top_headers[header[i] % 5]
@@ -276,7 +328,7 @@ def _generate_code(n_docs: int, seed: int) -> list[str]:
                 level -= 1
             elif dedent[i] < 20:
                 level = 0
-        i += 1
+        start += n_lines
     # Pass 2: format every line at once, then join each document's slice.
     lines = [ind + t.format(a_, b_, c_, f_, big_, small_, n_)
              for ind, t, a_, b_, c_, f_, big_, small_, n_

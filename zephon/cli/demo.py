@@ -101,7 +101,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("\n".join(plan.explain_text(0).splitlines()[:5]))
         ok = print_table("1) shuffle + repeat, 8 lanes, global batch 64",
                          matrix(plan, src, args.steps, (), tmp))
-        keep = Filter(lambda r: int(r["tokens"][0]) % 4 != 0, name="demo.keep_3_of_4")  # a count-changing step: lanes carry cursors
+        # a count-changing step: lanes carry cursors
+        keep = Filter(lambda r: int(r["tokens"][0]) % 4 != 0, name="demo.keep_3_of_4")
         ok &= print_table("2) same plan + a filter (per-lane cursors carried in the state)",
                           matrix(plan, src, args.steps, (keep,), tmp))
         ok &= lm_demo(tmp, args.steps)

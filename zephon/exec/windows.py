@@ -149,7 +149,7 @@ def rematerialize(task: WindowTask, states: Sequence[Any]
         refs = task.lanes.resolve_lanes(lane, index, b)
         cols, src = run_transforms(task.rows, read_refs(task.sources, refs), refs, task.seed)
         sub = sub_index(src)
-        for j, (k, i, h) in enumerate(want):
+        for j, (k, _, h) in enumerate(want):
             hit = np.flatnonzero((src == j) & (sub == h[2]))
             if not hit.size:
                 raise StateError(f"lane {int(task.owned[k])} holds output {h[2]} of input {h[1]} "

@@ -7,8 +7,10 @@ Three modes, all deterministic and all losing no token:
   lane — also across steps and across a stop/resume, because the carry names it (its position in
   the lane and a token offset). No padding except at the end of a finite plan.
 - `first_fit` / `best_fit`: up to `max_open_bins` rows are open; each document goes into the
-  first (or the tightest) open row it fits, else a new row opens; when all are taken the oldest open row is emitted (so no document waits long). Documents longer than `seq_len` are split into full rows plus a remainder that
-  is packed like any document (never dropped, never truncated).
+  first (or the tightest) open row it fits, else a new row opens; when all are taken the oldest
+  open row is emitted (so no document waits long). Documents longer than `seq_len` are split
+  into full rows plus a remainder that is packed like any document (never dropped, never
+  truncated).
 
 Rows come with `targets` (the next token of the same document; a document's last token has no
 target and `loss_mask` 0, so nothing leaks across documents), `segment_ids` (1, 2, ... per row,

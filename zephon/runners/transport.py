@@ -111,7 +111,7 @@ def send_fd(sock: socket.socket, fd: int) -> None:
 
 def recv_fd(sock: socket.socket) -> int:
     """The next descriptor on `sock`; EOFError when the peer is gone."""
-    data, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    _, fds, _, _ = socket.recv_fds(sock, 1, 1)
     if not fds:
         raise EOFError("the peer closed the connection before sending a shared-memory descriptor")
     for extra in fds[1:]:

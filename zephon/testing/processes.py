@@ -53,7 +53,8 @@ def _subprocess_env(devices: int | None) -> dict[str, str]:
 
 
 def _run_processes(builder: Builder, seg: Segment, start: int, stop: int, state: dict[str, Any] | None,
-                   ref_dtypes: Mapping[str, np.dtype], timeout: float) -> tuple[list[StepRecord], dict[str, Any], list[str]]:
+                   ref_dtypes: Mapping[str, np.dtype], timeout: float
+                   ) -> tuple[list[StepRecord], dict[str, Any], list[str]]:
     """Runs steps [start, stop) of a segment in `seg.procs` local processes; returns the merged
     lane records, the merged state after `stop` and the fields left out."""
     if builder.spec is None:
