@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from zephon.columns import objects
 from zephon.errors import DecodeError, PlanError
 from zephon.ops.base import Transform, fn_name
 from zephon.plan import Refs
@@ -159,13 +160,13 @@ class Tokenize(Transform):
         rest = {k: v for k, v in cols.items() if k != self.field or self.keep_text}
         m = self.max_tokens
         if m is None or not any(len(t) > m for t in toks):
-            out = {**rest, self.output: _objects(toks)}
+            out = {**rest, self.output: objects(toks)}
             if m is not None and self.overflow == "truncate":
                 out["truncated"] = np.zeros(len(toks), np.int32)
             return out, None
         if self.overflow == "truncate":
             cut = np.array([max(0, len(t) - m) for t in toks], np.int32)
-            return {**rest, self.output: _objects([t[:m] for t in toks]), "truncated": cut}, None
+            return {**rest, self.output: objects([t[:m] for t in toks]), "truncated": cut}, None
         pieces: list[np.ndarray] = []
         rows: list[int] = []
         for i, t in enumerate(toks):
@@ -173,11 +174,4 @@ class Tokenize(Transform):
                 pieces.append(t[s:s + m])
                 rows.append(i)
         idx = np.asarray(rows, np.int64)
-        return {**{k: v[idx] for k, v in rest.items()}, self.output: _objects(pieces)}, idx
-
-
-def _objects(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    out = np.empty(len(arrays), dtype=object)
-    for i, a in enumerate(arrays):
-        out[i] = a
-    return out
+        return {**{k: v[idx] for k, v in rest.items()}, self.output: objects(pieces)}, idx
