@@ -21,6 +21,7 @@ from zephon.errors import PlanError
 from zephon.ops.base import Transform
 from zephon.ops.pack import Pack
 from zephon.plan import Batch, Mix, Node, Repeat, Shuffle, Slice, Source
+from zephon.runners.base import Runner
 
 from .order import GRAIN_INFINITE, ContiguousBatches, GrainIndex, GrainMix, GrainShuffle, grain_proportions
 from .packing import GrainPackNames, PackInput
@@ -87,7 +88,7 @@ class _Config:
     mapping: str = "contiguous"
     rank: int | None = None  # None: not sharded (rank 0 of 1; backends may derive their own)
     world: int | None = None
-    runner: Any = None
+    runner: Runner | None = None
     read_ahead: int = READ_AHEAD
 
 

@@ -14,6 +14,7 @@ import grain
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
 from zephon.plan import Node
+from zephon.runners.base import Runner
 from zephon.verify import run_fingerprints
 
 from .compile import READ_AHEAD
@@ -42,7 +43,7 @@ class DataLoader:
                  worker_count: int | None = 0, worker_buffer_size: int = 1,
                  shard_options: Any = None, read_options: Any = None, enable_profiling: bool = False,
                  lanes: int | None = None, rank: int | None = None, world: int | None = None,
-                 runner: Any = None, read_ahead: int = READ_AHEAD) -> None:
+                 runner: Runner | None = None, read_ahead: int = READ_AHEAD) -> None:
         del worker_buffer_size, read_options, enable_profiling  # Grain tuning knobs; no effect on data
         if not isinstance(sampler, grain.samplers.IndexSampler):
             raise PlanError(f"{type(sampler).__name__} is not supported; Grain order is reproduced "
@@ -54,8 +55,8 @@ class DataLoader:
             raise PlanError(f"the sampler is sharded {s_index}/{s_count} but the loader {index}/"
                             f"{count}; give both the same shard options (or NoSharding() to the sampler).")
         self.workers = max(int(worker_count or 0), 1)
-        self.grain_args = dict(data_source=data_source, sampler=sampler, operations=list(operations),
-                               worker_count=worker_count, shard_options=opts)
+        self.grain_args = {"data_source": data_source, "sampler": sampler, "operations": list(operations),
+                           "worker_count": worker_count, "shard_options": opts}
         batch, transforms, filtered, tag = None, [], False, None
         for i, t in enumerate(operations):
             if isinstance(t, grain.transforms.Batch):

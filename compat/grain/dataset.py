@@ -21,6 +21,7 @@ from zephon.exec.steps import read_refs
 from zephon.ops.base import Accumulator, Transform, run_transforms
 from zephon.ops.pack import Pack
 from zephon.plan import Batch
+from zephon.runners.base import Runner
 from zephon.verify import run_fingerprints
 
 from .compile import GRAIN_INFINITE, Order, _Compiled, _Config, _Op, compile_pipeline, to_grain
@@ -31,6 +32,8 @@ from .transforms import has_accumulator
 
 _ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset", "batch", "seed",
              "pack")
+
+_DEFAULT_CONFIG = _Config()  # frozen, so one shared default is safe
 
 
 class Dataset:
@@ -43,7 +46,7 @@ class Dataset:
     (data-parallel rank; rows of the global batch, not a slice of the data) and `runner(r)`.
     """
 
-    def __init__(self, op: _Op, config: _Config = _Config()) -> None:
+    def __init__(self, op: _Op, config: _Config = _DEFAULT_CONFIG) -> None:
         self._op = op
         self._config = config
 
@@ -241,7 +244,7 @@ class Dataset:
         """Data-parallel rank `rank` of `world`: iterates its rows of every global batch."""
         return Dataset(self._op, replace(self._config, rank=int(rank), world=int(world)))
 
-    def runner(self, runner: Any) -> Dataset:
+    def runner(self, runner: Runner | None) -> Dataset:
         """Executes steps with a Zephon runner (threads/processes); changes speed, never data."""
         return Dataset(self._op, replace(self._config, runner=runner))
 

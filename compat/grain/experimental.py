@@ -49,10 +49,10 @@ def _fit_args(length_struct: Any, num_packing_bins: int, seed: int, shuffle_bins
     if shuffle_bins_group_by_feature is not None:
         _refuse("shuffle_bins_group_by_feature", shuffle_bins_group_by_feature, "rows are emitted "
                 "in the order they close (deterministic per lane); there is no bin shuffle.")
-    return dict(length_struct=length_struct, num_packing_bins=int(num_packing_bins), seed=seed,
-                shuffle_bins=shuffle_bins, shuffle_bins_group_by_feature=None, meta_features=(),
-                pack_alignment_struct=None, padding_struct=padding_struct,
-                max_sequences_per_bin=max_sequences_per_bin)
+    return {"length_struct": length_struct, "num_packing_bins": int(num_packing_bins), "seed": seed,
+            "shuffle_bins": shuffle_bins, "shuffle_bins_group_by_feature": None, "meta_features": (),
+            "pack_alignment_struct": None, "padding_struct": padding_struct,
+            "max_sequences_per_bin": max_sequences_per_bin}
 
 
 class ConcatThenSplitIterDataset(Dataset):
@@ -81,8 +81,8 @@ class ConcatThenSplitIterDataset(Dataset):
         if not _bos_handling_none(bos_handling) or bos_features or bos_token_id is not None:
             _refuse("bos_handling", bos_handling, "replacing each piece's first token with BOS "
                     "drops that token; add BOS to every document with Tokenize(bos=...).")
-        kwargs = dict(length_struct=length_struct, meta_features=(),
-                      split_full_length_features=True)
+        kwargs = {"length_struct": length_struct, "meta_features": (),
+                  "split_full_length_features": True}
         ds = parent.pack(length_struct, "concat", names=names,
                          _grain=("ConcatThenSplitIterDataset", kwargs))
         super().__init__(ds._op, ds._config)

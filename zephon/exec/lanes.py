@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from zephon.exec.state import LaneState, canonical
 from zephon.exec.windows import Provenance, Window, WindowTask, concat_cols, rematerialize, take_rows, window_size
 from zephon.plan import Batch, Mix, Refs
 from zephon.sources.base import Columns, RecordSource
+
+if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
+    from zephon.runners.base import Runner
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ class LaneEngine:
     """
 
     def __init__(self, plan: Batch, sources: Mapping[int, RecordSource], pipeline: LanePipeline,
-                 owned: np.ndarray, seed: int, runner: Any, read_ahead: int,
+                 owned: np.ndarray, seed: int, runner: Runner | None, read_ahead: int,
                  states: Sequence[LaneState]) -> None:
         self.plan, self.sources, self.pipeline = plan, sources, pipeline
         self.owned, self.seed = owned, seed

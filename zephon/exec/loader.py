@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transf
 from zephon.ops.mix import PerSource
 from zephon.plan import Batch, Mix, Refs, plan_diff
 from zephon.sources.base import Columns, RecordSource
+
+if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
+    from zephon.runners.base import Runner
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ class Loader:
 
     def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
                  transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
-                 seed: int = 0, rank: int = 0, world: int = 1, runner: Any = None, start_step: int = 0,
+                 seed: int = 0, rank: int = 0, world: int = 1, runner: Runner | None = None, start_step: int = 0,
                  read_ahead: int | None = None, lanes: Sequence[int] | None = None) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")

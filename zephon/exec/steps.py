@@ -14,7 +14,7 @@ import sys
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from zephon.errors import PlanError
 from zephon.ops.base import Transform, run_transforms
 from zephon.plan import Batch, Node, Refs, Source
 from zephon.sources.base import Columns, RecordSource
+
+if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
+    from zephon.runners.base import Runner
 
 
 def as_source_map(sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource]
@@ -194,7 +197,8 @@ class GroupTask:
         return self.task.run(*item)
 
 
-def iterate_steps(task: StepTask, runner: Any, start: int, read_ahead: int, stride: int = 1) -> Iterator[tuple[Columns, Refs]]:
+def iterate_steps(task: StepTask, runner: Runner | None, start: int, read_ahead: int, stride: int = 1
+                  ) -> Iterator[tuple[Columns, Refs]]:
     """Owned rows of steps start, start+stride, ...: the first inline, the rest in group reads.
 
     The first step is computed in the caller's thread, so it comes back as fast as one step can,

@@ -19,6 +19,7 @@ import numpy as np
 from zephon.errors import PlanError, ZephonError
 from zephon.exec.loader import Loader
 from zephon.plan import Batch, Node
+from zephon.runners.base import Runner
 
 
 class FactoryError(ZephonError, ValueError):
@@ -43,7 +44,7 @@ class Pipeline:
     loader_cls: type = Loader
     dataset: Any = None
 
-    def loader(self, *, rank: int = 0, world: int = 1, runner: Any = None, **options: Any) -> Loader:
+    def loader(self, *, rank: int = 0, world: int = 1, runner: Runner | None = None, **options: Any) -> Loader:
         """A loader of this pipeline for data-parallel rank `rank` of `world`."""
         kw = dict(options)
         if self.per_source:
@@ -242,7 +243,9 @@ class Builder:
     def __init__(self, factory: Factory) -> None:
         self.factory = factory
         self.fn: Callable[..., Any] | None = None
-        if isinstance(factory, str) and factory.endswith(".json") and ":" not in factory.replace("\\", "/").split("/")[-1]:
+        self.spec: str | None = None
+        if (isinstance(factory, str) and factory.endswith(".json")
+                and ":" not in factory.replace("\\", "/").split("/")[-1]):  # a saved plan, not a.py:fn
             self.fixed = Pipeline.from_plan(load_plan(factory))
             self.spec = factory
         elif isinstance(factory, str):
@@ -253,8 +256,6 @@ class Builder:
             self.fixed = Pipeline.of(factory, "the pipeline")
         if self.fn is not None:
             self.spec = factory_spec(factory)
-        elif not hasattr(self, "spec"):
-            self.spec = None
         self.name = (self.spec.rpartition(":")[2] if self.spec else getattr(self.fn, "__name__", "pipeline")
                      ) if self.fn is not None else (Path(self.spec).name if self.spec else "pipeline")
         self.takes_world = self.fn is not None and _accepts(self.fn, "world")
