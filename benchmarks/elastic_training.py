@@ -263,7 +263,8 @@ def grain_rank(d: dict[str, Any], cfg: Config, rank: int, world: int) -> Iterato
     # in-memory data: Grain recommends num_threads=0 (no read threads contending for the GIL)
     ds = ds[shard.shard_index::shard.shard_count].map(tokenize)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0))
-    ds = ConcatThenSplitIterDataset(ds, length_struct=dict.fromkeys(("tokens", "targets", "loss_mask", "source"), cfg.seq_len))
+    ds = ConcatThenSplitIterDataset(
+        ds, length_struct=dict.fromkeys(("tokens", "targets", "loss_mask", "source"), cfg.seq_len))
     ds = ds.batch(cfg.batch // world)
     for b in ds:
         yield {"tokens": b["tokens"], "targets": b["targets"], "loss_mask": b["loss_mask"],
@@ -317,8 +318,9 @@ def zephon_rank(d: dict[str, Any], cfg: Config, rank: int, world: int) -> Zephon
         return ArraySource({"text": a})
 
     tokenize = [Tokenize(d["tokenizer"], eos=EOS_ID)]
-    return ZephonRank(z.Loader(zephon_plan(d, cfg), [texts(d["code"]), texts(d["prose"])], [Pack(cfg.seq_len, "concat")],
-                               per_source={0: tokenize, 1: tokenize}, rank=rank, world=world))
+    return ZephonRank(z.Loader(zephon_plan(d, cfg), [texts(d["code"]), texts(d["prose"])],
+                               [Pack(cfg.seq_len, "concat")], per_source={0: tokenize, 1: tokenize},
+                               rank=rank, world=world))
 
 
 class GlobalBatches:
@@ -577,14 +579,17 @@ def summarize(cfg: Config, corpus: dict, results: list[dict], wall: float) -> di
             resume[r["loader"]] = {
                 "stop_step": r["start"], "from_world": 2, "to_world": 8, "eval": r["eval"],
                 "final_eval_loss": r["eval"][-1][1],
-                "max_abs_eval_diff_vs_uninterrupted_D2": max(abs(a[1] - b[1]) for a, b in zip(r["eval"], tail)),
-                "batches_equal_to_uninterrupted_D2": sum(a == b for a, b in zip(r["digests"], ref["digests"][r["start"]:])),
+                "max_abs_eval_diff_vs_uninterrupted_D2": max(abs(a[1] - b[1])
+                                                             for a, b in zip(r["eval"], tail)),
+                "batches_equal_to_uninterrupted_D2": sum(a == b for a, b
+                                                         in zip(r["digests"], ref["digests"][r["start"]:])),
                 "batches": len(r["digests"])}
     floor = next(r for r in results if r["per_rank_gradients"])
     ddp = {"world": 8, "final_eval_loss": floor["eval"][-1][1],
            "one_pass_final_eval_loss": final["zephon"]["8"],
            "abs_diff": abs(floor["eval"][-1][1] - final["zephon"]["8"]),
-           "max_abs_eval_diff_over_curve": max(abs(a[1] - b[1]) for a, b in zip(floor["eval"], main["zephon", 8]["eval"])),
+           "max_abs_eval_diff_over_curve": max(abs(a[1] - b[1])
+                                               for a, b in zip(floor["eval"], main["zephon", 8]["eval"])),
            "note": "Zephon, D=8, every rank's gradient computed separately and summed (DDP's "
                    "arithmetic) vs one pass over the same global batch: the float summation order "
                    "of the all-reduce, with identical data"}
@@ -614,9 +619,10 @@ def fmt(x: float) -> str:
 
 def table(out: dict[str, Any]) -> str:
     steps = out["config"]["steps"]
+    stop = out["config"]["stop_step"]
     lines = ["| loader | D=1 | D=2 | D=4 | D=8 | spread (max − min) | global batches equal to D=1's "
-             "(of %d) | resume D=2→8 at step %d: max eval-loss diff | code share of a batch, std over "
-             "steps, D=1 / 8 |" % (steps, out["config"]["stop_step"]),
+             f"(of {steps:d}) | resume D=2→8 at step {stop:d}: max eval-loss diff | code share of a batch, "
+             "std over steps, D=1 / 8 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name in LOADERS:
         f = out["final_eval_loss"][name]
@@ -625,7 +631,8 @@ def table(out: dict[str, Any]) -> str:
         lines.append(f"| {LABELS[name]} | " + " | ".join(f"{f[str(w)]:.4f}" for w in DEGREES) +
                      f" | **{fmt(out['spread'][name])}** | " + " / ".join(f"{same[str(w)]}" for w in DEGREES) +
                      f" | {fmt(r['max_abs_eval_diff_vs_uninterrupted_D2'])} | " +
-                     " / ".join(f"{out['code_share_per_global_batch'][name][str(w)]['std_over_steps']:.2f}" for w in (1, 8)) + " |")
+                     " / ".join(f"{out['code_share_per_global_batch'][name][str(w)]['std_over_steps']:.2f}"
+                                for w in (1, 8)) + " |")
     return "\n".join(lines)
 
 
@@ -667,8 +674,9 @@ def plot(out: dict[str, Any], path: Path) -> None:
             bottom.set_ylabel("eval loss − D=1's")
         top.legend(fontsize=8)
     cfg = out["config"]
-    fig.suptitle(f"Same job at D = 1, 2, 4, 8 ranks: {out['model_parameters'] / 1e6:.2f}M-param LM, global batch "
-                 f"{cfg['batch']}×{cfg['seq_len']} packed tokens, stdlib code + prose mixed 50/50, {cfg['steps']} steps",
+    fig.suptitle(f"Same job at D = 1, 2, 4, 8 ranks: {out['model_parameters'] / 1e6:.2f}M-param LM, global "
+                 f"batch {cfg['batch']}×{cfg['seq_len']} packed tokens, stdlib code + prose mixed 50/50, "
+                 f"{cfg['steps']} steps",
                  fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -684,8 +692,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else Config()
     if args.steps:
-        cfg = dataclasses.replace(cfg, steps=args.steps, eval_every=min(cfg.eval_every, args.steps),
-                                  stop_step=args.steps // 2 // min(cfg.eval_every, args.steps) * min(cfg.eval_every, args.steps))
+        every = min(cfg.eval_every, args.steps)
+        cfg = dataclasses.replace(cfg, steps=args.steps, eval_every=every,
+                                  stop_step=args.steps // 2 // every * every)
     if cfg.stop_step % cfg.eval_every or not 0 < cfg.stop_step < cfg.steps:
         raise SystemExit(f"the resume step {cfg.stop_step} must be an eval step (a multiple of {cfg.eval_every}) "
                          f"inside the run of {cfg.steps} steps")

@@ -38,8 +38,8 @@ interleaved, so machine noise hits every row alike; the table shows medians):
 Every loader streams reshuffled epochs endlessly; throughput is the steady rate over
 `--max-seconds` after a warm-up (10% of an epoch or 2 s), so worker start-up and filling prefetch
 buffers count for no loader (time to the first batch, start-up included, is reported separately,
-and the JSON also holds the overall rate from construction on); memory is the peak PSS summed over the case's process tree
-(so workers and shared memory count once), sampled every 200 ms.
+and the JSON also holds the overall rate from construction on); memory is the peak PSS summed over
+the case's process tree (so workers and shared memory count once), sampled every 200 ms.
 
 Writes benchmarks/results/<name>.json and <name>.png and prints the table with ratios.
 
@@ -413,8 +413,11 @@ def environment(argv: list[str]) -> dict[str, Any]:
     # one version of the code while others keep committing to the checkout
     stamp = HERE.parent / ".git_commit"
     snapshot = stamp.read_text().strip() if stamp.exists() and not (HERE.parent / ".git").exists() else ""
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?") \
-        if os.path.exists("/proc/cpuinfo") else platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "?")
+    else:
+        cpu = platform.processor()
     return {"command": ("zephon bench " + shlex.join(argv)).strip(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "python": platform.python_version(), "cpus": len(os.sched_getaffinity(0)), "cpu": cpu,
             "versions": {p: version(p) for p in ("numpy", "grain", "array-record", "pyarrow")},
@@ -441,12 +444,14 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=len(cases) * args.rounds, desc="zephon bench", unit="case") as bar:
         for rnd in range(args.rounds):
             for i, case in enumerate(cases):
-                bar.set_postfix_str(f"round {rnd + 1}: {case['label']}" + (f" B={case['batch']}" if case["batch"] else ""))
+                bar.set_postfix_str(f"round {rnd + 1}: {case['label']}"
+                                    + (f" B={case['batch']}" if case["batch"] else ""))
                 result = run_case(case, timeout)
                 result["round"] = rnd
                 runs[i].append(result)
                 if "error" in result:
-                    tqdm.write(f"ERROR in {case['label']} B={case['batch']}: {result['error']}\n{result.get('stderr', '')}")
+                    tqdm.write(f"ERROR in {case['label']} B={case['batch']}: {result['error']}\n"
+                               f"{result.get('stderr', '')}")
                 bar.update()
     env["load_avg_end"] = os.getloadavg()
     end = environment(argv)

@@ -148,7 +148,8 @@ class Trainer:
 
 def checkpointer(path: Path) -> ocp.CheckpointManager:
     # synchronous saves: no background thread touching device buffers between steps
-    return ocp.CheckpointManager(path.absolute(), options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+    return ocp.CheckpointManager(path.absolute(),
+                                 options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
 
 
 def train(args: argparse.Namespace, shape: tuple[int, int], stop: int, *, save_at: int | None = None,

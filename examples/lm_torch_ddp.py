@@ -7,9 +7,10 @@ What it does, all on CPU:
 
 1. Data (`lm_data.py`, shared with `lm_jax_flax.py`): two JSONL corpora written to the output
    directory — real code (the Python standard library's own sources) and generated English-like
-   prose — and a byte-level BPE trained on them in-process (no hub). Zephon mixes them 60/40 *by tokens* inside every lane, tokenizes each
-   document in the DataLoader workers (`Tokenize`, EOS appended) and packs them into rows of
-   `--seq-len` tokens (`Pack(..., "concat")`: no padding, no token lost).
+   prose — and a byte-level BPE trained on them in-process (no hub). Zephon mixes them 60/40
+   *by tokens* inside every lane, tokenizes each document in the DataLoader workers (`Tokenize`,
+   EOS appended) and packs them into rows of `--seq-len` tokens (`Pack(..., "concat")`: no
+   padding, no token lost).
 2. Run A: DDP over 2 local gloo processes. Every rank iterates a `ZephonDataLoader` with
    `--workers` DataLoader workers (a packing pipeline: each worker runs a block of the rank's
    lanes) and gets only its rows of each global batch. `batch.micro_batches(n)` cuts the local

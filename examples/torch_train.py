@@ -101,7 +101,7 @@ def train(world: int, args: argparse.Namespace, start: int, stop: int, resume: b
         set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         loader.load_state_dict(state["data"])
     losses, prints = [], []
-    for step, batch in zip(range(start, stop), loader):  # range first: zip must not pull an extra batch
+    for _, batch in zip(range(start, stop), loader):  # range first: zip must not pull an extra batch
         loss = torch.nn.functional.cross_entropy(net(batch["x"]), batch["y"])
         opt.zero_grad()
         loss.backward()
@@ -150,7 +150,8 @@ def main() -> None:
     d = launch(1, args, split, args.steps, resume=True, tag="D_resumed_1_rank")
 
     print(f"{'step':>5} {'A: 2 ranks':>12} {'C: resumed':>12} {'D: 1 rank':>12}  data D == A")
-    shown = sorted({0, split - 1, split, split + 1, args.steps - 1} | set(range(0, args.steps, max(1, args.steps // 8))))
+    shown = sorted({0, split - 1, split, split + 1, args.steps - 1}
+                   | set(range(0, args.steps, max(1, args.steps // 8))))
     for step in shown:
         cl = c["losses"][step - split] if step >= split else None
         dl = d["losses"][step - split] if step >= split else None
