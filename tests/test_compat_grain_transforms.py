@@ -74,7 +74,7 @@ def test_random_map_zephon_order_uses_the_records_own_generator() -> None:
     a, b = draws(1, 4, 1), draws(2, 8, 4)
     assert a.keys() == b.keys() and len(a) == 128
     assert a == b  # another shuffle, lane count and degree: every (record, epoch) draws the same
-    assert len({v for v in a.values()}) == 128  # and the draws differ between (record, epoch)s
+    assert len(set(a.values())) == 128  # and the draws differ between (record, epoch)s
     g = grain.MapDataset.source(src).shuffle(seed=1).repeat(2).random_map(Jitter(), seed=7).batch(16)
     z = zg.Dataset.source(src, order="zephon").shuffle(seed=1).repeat(2).random_map(Jitter(), seed=7).batch(16)
     assert not np.array_equal(next(iter(g))["r"], next(iter(z))["r"])  # Grain's equal in distribution only
@@ -95,5 +95,6 @@ def test_zephon_row_operators_run_between_grain_maps():
     want = [10 * (2 * i + 1) for i in range(64) if (2 * i + 1) % 3]
     got = np.concatenate([next(it)["y"] for _ in range(5)])
     assert got.tolist() == want[:20]
-    assert [t.op_name for t in ds.transforms][1:3] == ["Map(test_zephon_row_operators_run_between_grain_maps.<locals>.plus_one)",
-                                                        "Filter(test_zephon_row_operators_run_between_grain_maps.<locals>.<lambda>)"]
+    assert [t.op_name for t in ds.transforms][1:3] == [
+        "Map(test_zephon_row_operators_run_between_grain_maps.<locals>.plus_one)",
+        "Filter(test_zephon_row_operators_run_between_grain_maps.<locals>.<lambda>)"]

@@ -121,7 +121,8 @@ def test_data_parallel_degree_changes_no_array(shape, axes, procs, world):
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_restore_mid_run_equals_uninterrupted_on_another_mesh(prefetch):
-    transforms = (Filter(lambda c: c["label"] % 4 != 1, batched=True, name="label_mod4_not_1"),)  # per-lane cursors in the state
+    # a count-changing step: per-lane cursors in the state
+    transforms = (Filter(lambda c: c["label"] % 4 != 1, batched=True, name="label_mod4_not_1"),)
     plan, source = make_plan(), make_source()
     ref = reference(plan, source, transforms, steps=7)
     with JaxLoader(plan, source, transforms, mesh=make_mesh((2, 4)), batch_axes=("data", "fsdp"),
@@ -164,15 +165,15 @@ def test_bad_mesh_and_batch_combinations():
 def test_unrepresentable_fields_raise_in_the_consumer():
     text = ArraySource({"id": np.arange(N, dtype=np.int32),
                         "text": np.array([b"r%d" % i for i in range(N)], dtype=object)})
-    with JaxLoader(make_plan(), text, mesh=make_mesh((8,))) as loader:
-        with pytest.raises(PlanError, match=r"field 'text' has dtype object .* exclude=\('text',\)"):
-            next(loader)
+    with (JaxLoader(make_plan(), text, mesh=make_mesh((8,))) as loader,
+          pytest.raises(PlanError, match=r"field 'text' has dtype object .* exclude=\('text',\)")):
+        next(loader)
     with JaxLoader(make_plan(), text, mesh=make_mesh((8,)), exclude=("text",)) as loader:
         assert set(next(loader)) == {"id"}
     big = ArraySource({"h": np.arange(N, dtype=np.int64) << 40})
-    with JaxLoader(make_plan(), big, mesh=make_mesh((8,)), prefetch=0) as loader:
-        with pytest.raises(PlanError, match="do not fit int32.*jax_enable_x64"):
-            next(loader)
+    with (JaxLoader(make_plan(), big, mesh=make_mesh((8,)), prefetch=0) as loader,
+          pytest.raises(PlanError, match="do not fit int32.*jax_enable_x64")):
+        next(loader)
 
 
 def test_prefetch_errors_surface_and_close_stops_the_thread():
@@ -183,7 +184,8 @@ def test_prefetch_errors_surface_and_close_stops_the_thread():
             raise ValueError("record 64 is corrupt")
         return cols
 
-    with JaxLoader(plan, make_source(), (Map(explode, batched=True, name="explode"),), mesh=make_mesh((8,)), prefetch=3) as loader:
+    with JaxLoader(plan, make_source(), (Map(explode, batched=True, name="explode"),), mesh=make_mesh((8,)),
+                   prefetch=3) as loader:
         assert [int(np.asarray(next(loader)["id"]).max()) for _ in range(2)] == [31, 63]
         for _ in range(2):  # raised again, never a hang
             with pytest.raises(ValueError, match="record 64 is corrupt"):

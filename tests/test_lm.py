@@ -102,7 +102,7 @@ def test_long_documents_are_split_not_dropped_and_padding_is_counted(corpora):
 def test_packed_fields_are_consistent(corpora, mode):
     prose, _, tok = corpora
     l = Loader(plan_one(len(prose)), ArraySource({"text": objects(prose)}), pipeline(tok, mode=mode))
-    docs = {i: d for i, d in enumerate(doc_tokens(tok, prose))}
+    docs = dict(enumerate(doc_tokens(tok, prose)))
     for _ in range(10):
         b = next(l)
         d = b.data
@@ -112,7 +112,7 @@ def test_packed_fields_are_consistent(corpora, mode):
         for j, row in enumerate(b.segments):
             seg = d["segment_ids"][j]
             at = 0
-            for k, (s, r, e, a, z) in enumerate(row):
+            for k, (_, r, _, a, z) in enumerate(row):
                 n = z - a
                 assert (seg[at:at + n] == k + 1).all()
                 assert np.array_equal(d["positions"][j, at:at + n], np.arange(n))
@@ -146,8 +146,8 @@ def mixed_sources(corpora):
 
 
 def mixed_pipeline(tok, seq_len=64, mode="concat"):
-    return dict(transforms=[Pack(seq_len, mode)],
-                per_source={0: [Tokenize(tok, eos=EOS_ID)], 1: [Tokenize(tok, field="body", eos=EOS_ID)]})
+    return {"transforms": [Pack(seq_len, mode)],
+            "per_source": {0: [Tokenize(tok, eos=EOS_ID)], 1: [Tokenize(tok, field="body", eos=EOS_ID)]}}
 
 
 def test_token_mix_fingerprints_identical_over_degree_and_runners(corpora):

@@ -204,7 +204,8 @@ def test_mix_of_sources_reads_each_with_one_call(src):
 
     a = Counting({"x": np.zeros((50, 2), np.int32)})
     b = Counting({"x": np.ones((30, 2), np.int32)})
-    p = Node.mix([Source(50, id=0).shuffle(1).repeat(), Source(30, id=1).shuffle(2).repeat()], [3, 1]).lanes(4).batch(16)
+    p = Node.mix([Source(50, id=0).shuffle(1).repeat(), Source(30, id=1).shuffle(2).repeat()],
+                 [3, 1]).lanes(4).batch(16)
     got = next(Loader(p, [a, b])).data["x"]
     assert sorted(calls) == [4, 12] and got.sum() == 4 * 2
 
@@ -296,7 +297,8 @@ def test_local_batch_micro_count_that_does_not_divide_is_refused_like_the_backen
     from zephon.exec.loader import check_micro_count
 
     b = Loader(plan(), src).batch(0)
-    with pytest.raises(PlanError, match=r"micro_batches\(3\) cannot split the 32 rows .* use n in \[1, 2, 4, 8, 16, 32\]"):
+    with pytest.raises(PlanError,
+                       match=r"micro_batches\(3\) cannot split the 32 rows .* use n in \[1, 2, 4, 8, 16, 32\]"):
         b.micro_batches(3)
     for bad in (0, -2, 1.5, True, "2"):
         with pytest.raises(PlanError, match="positive integer"):

@@ -195,7 +195,8 @@ def parquet_pages(path):
     """[(header_start, body_start, body_end)] of every page (dictionary and data) in the file."""
     import pyarrow.parquet as pq
 
-    buf = open(path, "rb").read()
+    with open(path, "rb") as f:
+        buf = f.read()
     md = pq.ParquetFile(path).metadata
     out = []
     for g in range(md.num_row_groups):
@@ -225,7 +226,8 @@ def flip_outcomes(tmp_path, path, read, want, positions, rng):
     """Flips one random bit at each position (each in a fresh copy of the file) and classifies
     the read: 'detected' (SourceError/DecodeError naming the copy), 'harmless' (the data read
     equals the original) or 'silent' (wrong data, no error)."""
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     out = {"detected": 0, "harmless": 0, "silent": 0}
     for k, pos in enumerate(positions):
         bad = bytearray(data)
@@ -379,8 +381,10 @@ def test_parquet_and_jsonl_rewritten_during_a_loader_run(tmp_path):
     write_parquet(pq_path, data, row_group_size=250)
     jl_path.write_text("".join(json.dumps({"id": i, "text": f"t{i}"}) + "\n" for i in range(N_ROWS)))
     for path, make, new in [
-            (pq_path, lambda: ParquetSource(str(pq_path)), lambda: _rewrite_in_place(pq_path, pq_path.read_bytes()[:3000])),
-            (jl_path, lambda: JsonlSource(str(jl_path)), lambda: _rewrite_in_place(jl_path, b'{"id": 1, "text": "x"}\n' * 3000))]:
+            (pq_path, lambda: ParquetSource(str(pq_path)),
+             lambda: _rewrite_in_place(pq_path, pq_path.read_bytes()[:3000])),
+            (jl_path, lambda: JsonlSource(str(jl_path)),
+             lambda: _rewrite_in_place(jl_path, b'{"id": 1, "text": "x"}\n' * 3000))]:
         plan = Source(N_ROWS).shuffle(3).repeat().lanes(4).batch(64)
         loader = Loader(plan, make(), read_ahead=64)
         with deadline(20):
@@ -402,14 +406,14 @@ def test_array_record_rewritten_while_worker_processes_read_it(tmp_path):
     path = tmp_path / "w.array_record"
     write_array_record(path, [spec.encode({"x": np.full(8, i)}) for i in range(1000)])
     plan = Source(1000).shuffle(1).repeat().lanes(4).batch(32)
-    with Loader(plan, ArrayRecordSource(str(path), spec), runner=processes(2), read_ahead=64) as loader:
-        with deadline(60):
-            for _ in range(4):
+    with (Loader(plan, ArrayRecordSource(str(path), spec), runner=processes(2), read_ahead=64) as loader,
+          deadline(60)):
+        for _ in range(4):
+            next(loader)
+        _rewrite_in_place(path, path.read_bytes()[: 70_000])  # cut short (not readable)
+        with pytest.raises(SourceError, match=r"w\.array_record: the file changed"):
+            for _ in range(200):
                 next(loader)
-            _rewrite_in_place(path, path.read_bytes()[: 70_000])  # cut short (not readable)
-            with pytest.raises(SourceError, match=r"w\.array_record: the file changed"):
-                for _ in range(200):
-                    next(loader)
 
 
 TRUNCATED_UNDER_READER = textwrap.dedent("""
@@ -968,7 +972,8 @@ HAND_EDITS = [
     ("held a string", "concat", _set("held", "x"), names("{lane}", "'held'")),
     ("held pairs", "best_fit", _held(lambda h, st: [x[:2] for x in h]), names("{lane}", "'held'")),
     ("held negative", "concat", _held(lambda h, st: [[x[0], -x[1] - 1, x[2]] for x in h]), names("{lane}", "'held'")),
-    ("held branch out of range", "concat", _held(lambda h, st: [[2, x[1], x[2]] for x in h]), names("{lane}", "'held'")),
+    ("held branch out of range", "concat", _held(lambda h, st: [[2, x[1], x[2]] for x in h]),
+     names("{lane}", "'held'")),
     ("held output the input does not give", "best_fit", _held(lambda h, st: [[x[0], x[1], 7] for x in h]),
      r"lane {lane} holds output 7 of input \d+ but re-processing that input gives fewer outputs"),
 ]
@@ -1006,7 +1011,8 @@ HAND_EDITS_OPEN = [
      "raw IndexError 'list index out of range' at zephon/ops/pack.py:134"),
     ("fit segment with a negative start", "best_fit",
      _lane(lambda st: st["carry"]["bins"][0][0].__setitem__(1, -4)), names("{lane}", "carry"),
-     "raw ValueError 'could not broadcast input array' at zephon/ops/pack.py:189 (no check that 0 <= start < stop <= len(doc))"),
+     "raw ValueError 'could not broadcast input array' at zephon/ops/pack.py:189 "
+     "(no check that 0 <= start < stop <= len(doc))"),
 ]
 
 

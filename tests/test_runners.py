@@ -326,7 +326,8 @@ def test_messages_are_frozen_dataclasses_sent_as_plain_tuples():
 
     from zephon.runners.messages import Done, Failed, Run, SetFunction, SlotRef, Stop, decode, encode
 
-    messages = [SetFunction(b"fn"), Stop(), Run({"step": 3}, SlotRef("zephon-1-ab-0", 4096), "zephon-1-ab-1", ("x",), True),
+    messages = [SetFunction(b"fn"), Stop(),
+                Run({"step": 3}, SlotRef("zephon-1-ab-0", 4096), "zephon-1-ab-1", ("x",), True),
                 Run(7, None, "f", (), False), Done(b"p"), Done(b"p", ((0, 64), (64, 8)), "s", 8192),
                 Failed(None, "KeyError: 4", "Traceback ...")]
     for msg in messages:

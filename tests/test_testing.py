@@ -447,8 +447,9 @@ def test_configurations_parse_and_print_the_same():
     for text in ("numpy D=2", "numpy D=2 runner=threads:2", "jax mesh=2x4 micro=2", "torch D=1 workers=2",
                  "jax procs=2 mesh=2x4", "torch procs=2", "numpy D=2 @10 -> jax mesh=8 @20 -> grain D=4"):
         assert Config.parse(text).name == text
-    for bad, msg in (("tf D=2", "unknown backend"), ("numpy D=x", "not an integer"), ("numpy D=2 -> torch D=4", "@STEP"),
-                     ("numpy @5", "drop its @STEP"), ("numpy fast", "key=value"), ("jax D=2", "drop D="),
+    for bad, msg in (("tf D=2", "unknown backend"), ("numpy D=x", "not an integer"),
+                     ("numpy D=2 -> torch D=4", "@STEP"), ("numpy @5", "drop its @STEP"),
+                     ("numpy fast", "key=value"), ("jax D=2", "drop D="),
                      ("numpy D=2 @9 -> torch D=1 @4 -> grain D=1", "increase"), ("grain procs=2", "jax")):
         with pytest.raises(PlanError, match=msg):
             Config.parse(bad)
@@ -459,7 +460,8 @@ def test_configurations_parse_and_print_the_same():
                  "jax mesh=8 @15 -> torch D=2 micro=2", "torch D=4 @10 -> grain D=1"):
         assert want in names, want
     assert [c.name for c in zt.matrix(steps=30, backends=("numpy",), degrees=(1, 2), runners=(), micro=(),
-                                      procs=0, resume=["7:2->1"], repeat=False)] == ["numpy D=2", "numpy D=2 @7 -> numpy D=1"]
+                                      procs=0, resume=["7:2->1"], repeat=False)
+            ] == ["numpy D=2", "numpy D=2 @7 -> numpy D=1"]
 
 
 def test_factories_in_every_form_and_their_errors(tmp_path):

@@ -478,7 +478,8 @@ def load_checkpoint(resumed, checkpoint):
 @pytest.mark.multiprocess
 def test_ddp_ranks_get_exactly_their_rows(ddp_run):
     _, ranks = ddp_run
-    assert [(r["rank"], r["world"], r["loader_rank_world"]) for r in ranks] == [(0, 2, [0, 2, 0, 2]), (1, 2, [1, 2, 1, 2])]
+    assert [(r["rank"], r["world"], r["loader_rank_world"]) for r in ranks] == [(0, 2, [0, 2, 0, 2]),
+                                                                                (1, 2, [1, 2, 1, 2])]
     assert [sorted(map(int, r["digests"][0])) for r in ranks] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     want = single_process_fingerprints(ddp_worker.pipeline(), ddp_worker.source(), STEPS)
     assert merged_fingerprints(ranks, "digests") == want

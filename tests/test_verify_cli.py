@@ -118,7 +118,8 @@ def test_verify_fails_on_a_broken_copy_naming_the_divergence(tmp_path, capsys):
     good = 'def not_label_7(record: dict) -> bool:\n    return int(record["label"]) != 7\n'
     assert good in text
     broken = tmp_path / "broken_pipeline.py"
-    text = text.replace("from __future__ import annotations\n", "from __future__ import annotations\n\nimport threading\n")
+    text = text.replace("from __future__ import annotations\n",
+                        "from __future__ import annotations\n\nimport threading\n")
     broken.write_text(text.replace(good, (
         'def not_label_7(record: dict) -> bool:\n    return int(record["label"]) != 7 or '
         'threading.current_thread() is threading.main_thread()\n')))
