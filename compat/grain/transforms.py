@@ -214,7 +214,7 @@ class Branches(GrainTransform):
 
     @property
     def name(self) -> str:
-        return "Branches[" + "; ".join(f"{list(ids)}: " + ",".join(t.name for t in chain)
+        return "Branches[" + "; ".join(f"{list(ids)}: " + ",".join(t.op_name for t in chain)
                                        for ids, chain in self.branches) + "]"
 
     def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, np.ndarray]:
