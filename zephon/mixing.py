@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Sequence
 from collections.abc import Mapping as Mapping_
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -44,6 +44,10 @@ class Mix(Node, kind="Mix"):
     weights: tuple[float, ...]
     by: Literal["samples", "tokens"] = "samples"
     count_field: str = "tokens"
+
+    if TYPE_CHECKING:  # the generated __init__ takes any sequences (__post_init__ makes them tuples)
+        def __init__(self, children: Sequence[Node], weights: Sequence[float],
+                     by: Literal["samples", "tokens"] = "samples", count_field: str = "tokens") -> None: ...
 
     def __post_init__(self) -> None:
         if not isinstance(self.children, tuple):

@@ -11,6 +11,7 @@ independent permutation, so every epoch is reshuffled without storing anything.
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 _ROUNDS = 6
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -18,7 +19,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
-def splitmix64(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: npt.ArrayLike) -> np.ndarray:
     """The splitmix64 finaliser: a fast, well-mixed 64-bit hash, vectorised (uint64 in/out)."""
     with np.errstate(over="ignore"):
         z = np.asarray(x, dtype=np.uint64) + _GOLDEN

@@ -173,15 +173,16 @@ class LaneRecord:
 StepRecord = dict[int, LaneRecord]
 
 
-def lane_records(lanes: Sequence[int], cols: Columns) -> StepRecord:
-    """Records of every lane in `lanes` from their rows `cols` (lane-major, equal rows per lane)."""
-    lanes = [int(l) for l in lanes]
-    if not lanes:
+def lane_records(lanes: Iterable[int], cols: Columns) -> StepRecord:
+    """Records of every lane in `lanes` (ints, or an int array) from their rows `cols`
+    (lane-major, equal rows per lane)."""
+    ids = [int(l) for l in lanes]
+    if not ids:
         return {}
     n = len(next(iter(cols.values()))) if cols else 0
-    per = n // len(lanes)
+    per = n // len(ids)
     out: StepRecord = {}
-    for i, lane in enumerate(lanes):
+    for i, lane in enumerate(ids):
         rows = {k: np.asarray(v)[i * per:(i + 1) * per] for k, v in cols.items()}
         out[lane] = LaneRecord(lane_digest(rows), {k: (_field_desc(v), tuple(row_digests(v)))
                                                    for k, v in rows.items()})

@@ -24,7 +24,7 @@ from zephon.backends.jax.placement import BatchAxes, Shardings, _check_shardings
 from zephon.backends.jax.prefetch import _End, _Failure, _Prefetcher
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
-from zephon.ops.base import Transform
+from zephon.ops.base import Operator
 from zephon.plan import Batch
 from zephon.runners.base import Runner
 from zephon.sources.base import RecordSource
@@ -54,7 +54,7 @@ class JaxLoader:
     """
 
     def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
-                 transforms: Sequence[Transform] = (), *, mesh: Mesh | None = None,
+                 transforms: Sequence[Operator] = (), *, mesh: Mesh | None = None,
                  batch_axes: BatchAxes = "data", sharding: Shardings | None = None, prefetch: int = 2,
                  exclude: Sequence[str] = (), seed: int = 0, runner: Runner | None = None, start_step: int = 0,
                  **loader_options: Any) -> None:

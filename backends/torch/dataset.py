@@ -23,7 +23,7 @@ from zephon.backends.torch.placement import data_parallel
 from zephon.backends.torch.state import seek_position, state_document
 from zephon.errors import PlanError, StateError
 from zephon.exec.loader import Loader
-from zephon.ops.base import Transform
+from zephon.ops.base import Operator
 from zephon.plan import Batch
 from zephon.runners.base import Runner
 
@@ -65,7 +65,7 @@ class ZephonIterableDataset(IterableDataset):
     iterates; other keyword arguments go to `zephon.Loader`.
     """
 
-    def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Transform] = (), *,
+    def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Operator] = (), *,
                  seed: int = 0, rank: int | None = None, world: int | None = None,
                  group: dist.ProcessGroup | None = None, runner: Runner | None = None, start_step: int = 0,
                  dtypes: Mapping[str, Any] | None = None, **loader_options: Any) -> None:

@@ -16,7 +16,7 @@ from zephon.backends.torch.placement import MeshDims, data_parallel, mesh_data_p
 from zephon.backends.torch.state import state_document
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
-from zephon.ops.base import Transform
+from zephon.ops.base import Operator
 from zephon.plan import Batch
 from zephon.runners.base import Runner
 from zephon.sources.base import RecordSource
@@ -33,7 +33,7 @@ class TorchLoader:
     arguments go to `zephon.Loader` (e.g. `read_ahead`). `close()` closes the runner.
     """
 
-    def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Transform] = (), *,
+    def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Operator] = (), *,
                  seed: int = 0, rank: int | None = None, world: int | None = None,
                  group: dist.ProcessGroup | None = None, mesh: Any = None, mesh_dims: MeshDims = None,
                  runner: Runner | None = None, start_step: int = 0, dtypes: Mapping[str, Any] | None = None,

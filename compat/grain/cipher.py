@@ -50,7 +50,7 @@ def _block_bits(max_index: int) -> int:
     return max(bits + bits % 2, 16)
 
 
-def _simon(x: np.ndarray, keys: Sequence[np.ndarray], w: int) -> np.ndarray:
+def _simon(x: np.ndarray, keys: Sequence[np.ndarray | np.uint64], w: int) -> np.ndarray:
     """Grain's Simon-style Feistel rounds on 2w-bit blocks; one key (scalar or array) per round."""
     mask = np.uint64((1 << w) - 1)
     uw = np.uint64(w)

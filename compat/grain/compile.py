@@ -10,7 +10,7 @@ Grain-order nodes of `order`, so the plan names Grain's records; in `order="zeph
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,9 +18,10 @@ import grain
 import numpy as np
 
 from zephon.errors import PlanError
-from zephon.ops.base import Transform
+from zephon.ops.base import Operator, Transform
 from zephon.ops.pack import Pack
 from zephon.plan import Batch, Mix, Node, Repeat, Shuffle, Slice, Source
+from zephon.plan import Mapping as LaneMapping
 from zephon.runners.base import Runner
 
 from .order import GRAIN_INFINITE, ContiguousBatches, GrainIndex, GrainMix, GrainShuffle, grain_proportions
@@ -85,7 +86,7 @@ class _Op:
 class _Config:
     order: Order = "grain"
     lanes: int | None = None
-    mapping: str = "contiguous"
+    mapping: LaneMapping = "contiguous"
     rank: int | None = None  # None: not sharded (rank 0 of 1; backends may derive their own)
     world: int | None = None
     runner: Runner | None = None
@@ -108,7 +109,7 @@ class _Ctx:
 @dataclass(frozen=True)
 class _Built:
     node: Node
-    chain: tuple[Transform, ...] = ()
+    chain: tuple[Operator, ...] = ()  # row operators, then (packing) an accumulator and more
     filtered: bool = False
     sources: tuple[int, ...] = ()
 
@@ -126,39 +127,40 @@ def _build(op: _Op, ctx: _Ctx) -> _Built:
     if k == "batch":
         raise PlanError("`batch` must be the last step of the pipeline: Zephon emits fixed-size "
                         "global batches; move it to the end (map batches inside your step fn).")
-    b = _build(op.parents[0], ctx) if k != "mix" else None
-    if k in ("seed", "to_iter_dataset"):
-        return b  # type: ignore[return-value]
-    if k == "shuffle":
-        node = GrainShuffle(b.node, a["seed"]) if ctx.order == "grain" else Shuffle(b.node, a["seed"])
-        return replace(b, node=node)  # type: ignore[arg-type]
-    if k == "repeat":
-        return replace(b, node=Repeat(b.node, a["num_epochs"]))  # type: ignore[arg-type, union-attr]
-    if k == "slice":
-        n = b.node.length  # type: ignore[union-attr]
-        start, stop, step = a["slice"].indices(GRAIN_INFINITE if n is None else n)
-        if step < 1:
-            raise PlanError(f"slice step must be positive for a Zephon plan, got {step}")
-        stop = None if n is None and stop >= GRAIN_INFINITE else stop
-        return replace(b, node=Slice(b.node, start, stop, step))  # type: ignore[arg-type]
     if k == "mix":
         kids = [_build(p, ctx) for p in op.parents]
         props = grain_proportions(a["weights"], len(kids))
+        mixed: Node
         if a.get("by", "samples") == "tokens":
-            node = Mix(tuple(c.node for c in kids), tuple(float(p) for p in props), by="tokens",
-                       count_field=a.get("count_field") or ctx.count_field)
+            mixed = Mix(tuple(c.node for c in kids), tuple(float(p) for p in props), by="tokens",
+                        count_field=a.get("count_field") or ctx.count_field)
         elif ctx.order == "grain":
-            node: Node = GrainMix(tuple(c.node for c in kids), props)
+            mixed = GrainMix(tuple(c.node for c in kids), props)
         else:
             if any(isinstance(n, GrainIndex) for c in kids for n in _nodes(c.node)):
                 raise PlanError("map_with_index/random_map before mix needs order='grain' (Zephon's "
                                 "Mix does not carry Grain indices); apply it after mix instead.")
-            node = Mix(tuple(c.node for c in kids), tuple(float(p) for p in props))
-        chain: tuple[Transform, ...] = ()
+            mixed = Mix(tuple(c.node for c in kids), tuple(float(p) for p in props))
+        branch_chain: tuple[Operator, ...] = ()
         if any(c.chain for c in kids):
-            chain = (Branches(tuple((c.sources, c.chain) for c in kids)),)
-        return _Built(node, chain, any(c.filtered for c in kids), tuple(s for c in kids for s in c.sources))
-    assert b is not None
+            branch_chain = (Branches(tuple((c.sources, row_ops(c.chain)) for c in kids)),)
+        return _Built(mixed, branch_chain, any(c.filtered for c in kids),
+                      tuple(s for c in kids for s in c.sources))
+    b = _build(op.parents[0], ctx)
+    if k in ("seed", "to_iter_dataset"):
+        return b
+    if k == "shuffle":
+        shuffled: Node = GrainShuffle(b.node, a["seed"]) if ctx.order == "grain" else Shuffle(b.node, a["seed"])
+        return replace(b, node=shuffled)
+    if k == "repeat":
+        return replace(b, node=Repeat(b.node, a["num_epochs"]))
+    if k == "slice":
+        n = b.node.length
+        start, stop, step = a["slice"].indices(GRAIN_INFINITE if n is None else n)
+        if step < 1:
+            raise PlanError(f"slice step must be positive for a Zephon plan, got {step}")
+        stop = None if n is None and stop >= GRAIN_INFINITE else stop
+        return replace(b, node=Slice(b.node, start, stop, step))
     packed = has_accumulator(b.chain)
     if k in ("map", "filter") and isinstance(a["transform"], Transform):
         t = a["transform"]
@@ -188,10 +190,19 @@ def _build(op: _Op, ctx: _Ctx) -> _Built:
         if k == "random_map" and ctx.order != "grain":
             return replace(b, chain=b.chain + (GrainRandomMap(a["transform"], a["seed"], "record"),))
         tag = ctx.tag()
-        t: Transform = (GrainRandomMap(a["transform"], a["seed"], "dataset", tag) if k == "random_map"
-                        else GrainMapWithIndex(a["transform"], tag))
-        return replace(b, node=GrainIndex(b.node, tag), chain=b.chain + (t,))
+        indexed: Transform = (GrainRandomMap(a["transform"], a["seed"], "dataset", tag) if k == "random_map"
+                              else GrainMapWithIndex(a["transform"], tag))
+        return replace(b, node=GrainIndex(b.node, tag), chain=b.chain + (indexed,))
     raise PlanError(f"unknown pipeline step {k!r}")
+
+
+def row_ops(chain: Sequence[Operator]) -> tuple[Transform, ...]:
+    """A chain without a packing step, as row operators (`Dataset` refuses a mix after packing;
+    its callers check `has_accumulator` first)."""
+    rows = tuple(t for t in chain if isinstance(t, Transform))
+    if len(rows) != len(chain):
+        raise PlanError("this step cannot follow a packing step; move it before (as in Grain).")
+    return rows
 
 
 def _nodes(node: Node) -> Iterable[Node]:
@@ -205,7 +216,7 @@ class _Compiled:
     plan: Batch
     stream: Node  # the Grain-ordered element stream (before lanes are dealt)
     sources: dict[int, Any]
-    transforms: tuple[Transform, ...]
+    transforms: tuple[Operator, ...]
 
 
 def _largest_divisor(n: int, upto: int) -> int:
@@ -253,7 +264,7 @@ def compile_pipeline(op: _Op, config: _Config) -> _Compiled:
         # packing or token-mixed lane consumes documents at its own pace, so it just reads
         # its share of the Grain-ordered stream
         stream = ContiguousBatches(stream, lanes, rows // lanes)
-    plan = stream.lanes(lanes, config.mapping).batch(rows)  # type: ignore[attr-defined]
+    plan = stream.lanes(lanes, config.mapping).batch(rows)
     transforms = with_collate(built.chain) if size is not None else built.chain
     return _Compiled(plan, built.node, dict(enumerate(ctx.sources)), transforms)
 

@@ -13,6 +13,7 @@ import grain
 
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
+from zephon.ops.base import Transform
 from zephon.plan import Node
 from zephon.runners.base import Runner
 from zephon.verify import run_fingerprints
@@ -57,7 +58,9 @@ class DataLoader:
         self.workers = max(int(worker_count or 0), 1)
         self.grain_args = {"data_source": data_source, "sampler": sampler, "operations": list(operations),
                            "worker_count": worker_count, "shard_options": opts}
-        batch, transforms, filtered, tag = None, [], False, None
+        batch: Any = None  # the final grain.transforms.Batch
+        transforms: list[Transform] = []
+        filtered, tag = False, None
         for i, t in enumerate(operations):
             if isinstance(t, grain.transforms.Batch):
                 if i != len(operations) - 1:
@@ -95,7 +98,7 @@ class DataLoader:
         if not identity:
             stream = GrainLoaderOrder(stream, count, per_shard, self.workers)
             stream = ContiguousBatches(stream, lanes, rows // lanes)
-        self.plan = stream.lanes(lanes).batch(rows)  # type: ignore[attr-defined]
+        self.plan = stream.lanes(lanes).batch(rows)
         self.transforms = with_collate(tuple(transforms)) if self.batched else tuple(transforms)
         self.sources = {0: GrainSource(data_source)}
         self.rank = index if rank is None else rank

@@ -7,6 +7,7 @@ is first iterated, and the emitters (`loader`, `to_jax`, `to_torch`, `to_torch_d
 
 from __future__ import annotations
 
+import builtins
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -18,13 +19,14 @@ import numpy as np
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
 from zephon.exec.steps import read_refs
-from zephon.ops.base import Accumulator, Transform, run_transforms
+from zephon.ops.base import Accumulator, Operator, Transform, run_transforms
 from zephon.ops.pack import Pack
 from zephon.plan import Batch
+from zephon.plan import Mapping as LaneMapping
 from zephon.runners.base import Runner
 from zephon.verify import run_fingerprints
 
-from .compile import GRAIN_INFINITE, Order, _Compiled, _Config, _Op, compile_pipeline, to_grain
+from .compile import GRAIN_INFINITE, Order, _Compiled, _Config, _Op, compile_pipeline, row_ops, to_grain
 from .iterator import CollatingLoader, Iterator
 from .packing import pack_step
 from .records import elements
@@ -229,14 +231,14 @@ class Dataset:
                                 "Filter, MapWithIndex or Batch.")
         return ds
 
-    def __getitem__(self, index: int | slice) -> Any:
+    def __getitem__(self, index: int | builtins.slice) -> Any:  # builtins: `slice` is a method here
         """A slice gives a sliced dataset; an int the element (or batch) there, as in Grain."""
         if isinstance(index, slice):
             return self.slice(index)
         return self._item(int(index))
 
     # --- Zephon knobs ---------------------------------------------------------------------------
-    def lanes(self, count: int, mapping: str = "contiguous") -> Dataset:
+    def lanes(self, count: int, mapping: LaneMapping = "contiguous") -> Dataset:
         """Canonical lanes: fix this for runs that restore at another data-parallel degree."""
         return Dataset(self._op, replace(self._config, lanes=int(count), mapping=mapping))
 
@@ -267,7 +269,7 @@ class Dataset:
         return self._compiled.plan
 
     @property
-    def transforms(self) -> tuple[Transform, ...]:
+    def transforms(self) -> tuple[Operator, ...]:
         return self._compiled.transforms
 
     @property
@@ -286,7 +288,7 @@ class Dataset:
         c = self._compiled
         if not self.batched:
             raise PlanError(f"{what} emits global batches; add .batch(B) to the pipeline.")
-        if not has_accumulator(c.transforms) and not all(t.one_to_one for t in c.transforms):
+        if not has_accumulator(c.transforms) and not all(t.one_to_one for t in row_ops(c.transforms)):
             raise PlanError(f"{what} with a filter is not available yet: the backend's loader "
                             "cannot stack Grain records for steps evaluated in several passes. "
                             "Iterate the dataset (numpy batches) or filter with a Map that marks "
@@ -345,7 +347,7 @@ class Dataset:
             return Iterator.emit(self.loader().batch(index), batched=True)
         c = self._compiled
         refs = c.stream.resolve([index])
-        cols, kept = run_transforms(c.transforms, read_refs(c.sources, refs), refs, 0)
+        cols, kept = run_transforms(row_ops(c.transforms), read_refs(c.sources, refs), refs, 0)
         return elements(cols)[0] if len(kept) else None
 
     def fingerprints(self, steps: int, *, world: int | None = None) -> list[str]:

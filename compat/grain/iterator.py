@@ -78,6 +78,7 @@ class Iterator(grain.DatasetIterator):
         `JaxLoader.state()` return; any of them restores it). Unbatched iteration stopped inside
         a step adds `"elements_taken"`: the step's elements already returned."""
         if not self.batched and self._taken < len(self._rows):
+            assert self._before is not None  # set with every step's rows (`__next__`, `set_state`)
             return {**self.loader.state_from(self._before), "elements_taken": self._taken}
         return self.loader.state()
 

@@ -206,7 +206,9 @@ class GrainSampler(Node):
     num_records: int
     shard_count: int = 1
     drop_remainder: bool = False
-    shuffle: bool = False
+    # IndexSampler's own name; it shadows Node.shuffle() (never chained on a sampler) but renaming
+    # it would change the plan's JSON key and so every saved plan's fingerprint
+    shuffle: bool = False  # type: ignore[assignment]
     seed: int | None = None
     num_epochs: int | None = None
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from zephon.checkpoint import load_state, save_state
 from zephon.exec.loader import Loader, merge_states
-from zephon.ops import Filter, Transform
+from zephon.ops import Filter, Operator
 from zephon.plan import Batch, Source
 from zephon.sources import ArrayRecordSource, FixedFields, write_sharded_array_record
 from zephon.verify import first_mismatch, run_fingerprints
@@ -40,13 +40,13 @@ class Run:
     fingerprints: list[str]
 
 
-def _loaders(plan: Batch, src: Any, world: int, transforms: Sequence[Transform],
+def _loaders(plan: Batch, src: Any, world: int, transforms: Sequence[Operator],
              **options: Any) -> list[Loader]:
     return [Loader(plan, src, transforms, rank=r, world=world, **options) for r in range(world)]
 
 
 def resumed_run(plan: Batch, src: Any, steps: int, stop: int, world_before: int,
-                world_after: int, transforms: Sequence[Transform], state_dir: str,
+                world_after: int, transforms: Sequence[Operator], state_dir: str,
                 **options: Any) -> list[str]:
     """Runs `stop` steps at one degree, checkpoints every rank's state, resumes at another."""
     before = _loaders(plan, src, world_before, transforms, **options)
@@ -59,14 +59,15 @@ def resumed_run(plan: Batch, src: Any, steps: int, stop: int, world_before: int,
     return fps + run_fingerprints(after, steps - stop)
 
 
-def matrix(plan: Batch, src: Any, steps: int, transforms: Sequence[Transform],
+def matrix(plan: Batch, src: Any, steps: int, transforms: Sequence[Operator],
            state_dir: str, extra: Sequence[tuple[str, Callable[[], list[str]]]] = (),
            **options: Any) -> list[Run]:
     from tqdm import tqdm
 
-    jobs: list[tuple[str, Callable[[], list[str]]]] = [
-        (f"D={d}", lambda d=d: run_fingerprints(_loaders(plan, src, d, transforms, **options), steps))
-        for d in (1, 2, 4, 8)]
+    def at_degree(d: int) -> Callable[[], list[str]]:
+        return lambda: run_fingerprints(_loaders(plan, src, d, transforms, **options), steps)
+
+    jobs = [(f"D={d}", at_degree(d)) for d in (1, 2, 4, 8)]
     jobs.append(("D=2 stop@half -> resume at D=8", lambda: resumed_run(
         plan, src, steps, steps // 2, 2, 8, transforms, state_dir, **options)))
     jobs.append(("D=8 stop@third -> resume at D=1", lambda: resumed_run(
@@ -132,6 +133,7 @@ def lm_demo(tmp: str, steps: int) -> bool:
     ops = (Tokenize(tok, eos=EOS_ID), Pack(256, "concat"))
     first = next(Loader(plan, srcs, ops))
     pad = float((first.data["segment_ids"] == 0).mean())
+    assert first.segments is not None  # packed rows carry their document pieces
     print(f"\nLM pretraining: 2 JSONL corpora mixed 0.7/0.3 by tokens in every lane, BPE "
           f"tokenized online, packed to 16 x 256 (padding {pad:.1%}); row 0 holds "
           f"{len(first.segments[0])} document pieces, e.g. {first.explain()[0]['segments'][0]}")

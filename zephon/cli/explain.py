@@ -53,14 +53,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
         raise UsageError(f"--step {args.step}: steps count global batches from 0")
     if _is_plan_target(args.target):
         plan = load_plan(args.target)
-        rows = plan.explain(args.step)
-        sel = _row_range(args.rows, len(rows))
+        plan_rows = plan.explain(args.step)
+        sel = _row_range(args.rows, len(plan_rows))
         print(f"{'row':>5} {'lane':>5} {'source':>6} {'record':>14} {'epoch':>6}")
         for j in sel:
-            r = rows[j]
-            print(f"{r['row']:>5} {r['lane']:>5} {r['source']:>6} {r['record']:>14} {r['epoch']:>6}")
-        if args.rows is None and len(rows) > len(sel):
-            print(f"... {len(rows) - len(sel)} more rows (--rows A:B to choose)")
+            p = plan_rows[j]
+            print(f"{p['row']:>5} {p['lane']:>5} {p['source']:>6} {p['record']:>14} {p['epoch']:>6}")
+        if args.rows is None and len(plan_rows) > len(sel):
+            print(f"... {len(plan_rows) - len(sel)} more rows (--rows A:B to choose)")
         return 0
     pipe = Builder(args.target)(args.world, args.rank)
     loader = pipe.loader(rank=args.rank, world=args.world)

@@ -43,7 +43,8 @@ class Window:
     ended: np.ndarray
     error: BaseException | None = None
     traceback: str = ""
-    used: np.ndarray = field(default=None)  # type: ignore[assignment]
+    #: per lane, the first row not yet taken: set by the engine when it takes the window up
+    used: np.ndarray = field(init=False, repr=False, compare=False)
 
     def raise_error(self) -> None:
         raise_captured(self.error, self.traceback)

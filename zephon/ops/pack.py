@@ -232,11 +232,10 @@ class Pack(Accumulator):
             used.pop(0)
         referenced = sorted({s[0] for b in bins for s in b} | ({q} if o > 0 and q < len(docs) else set()))
         slot = {d: k for k, d in enumerate(referenced)}
-        new_carry = {"bins": [[[slot[d], s, e] for d, s, e in b] for b in bins],
-                     "pending": [slot[q], o] if o > 0 and q < len(docs) else None}
+        pending_carry = [slot[q], o] if o > 0 and q < len(docs) else None
+        new_carry = ({"bins": [[[slot[d], s, e] for d, s, e in b] for b in bins], "pending": pending_carry}
+                     if bins or pending_carry is not None else None)
         consumed = max(0, (q + (1 if o > 0 and q < len(docs) else 0)) - h)
-        if not bins and new_carry["pending"] is None:
-            new_carry = None
         # the next call's queue puts held documents first, in this order: `slot` is their index
         # there, and the pending document (the latest) comes last, just before the new ones
         return rows, consumed, referenced, new_carry

@@ -141,4 +141,4 @@ def decode(wire: tuple[Any, ...]) -> Message:
         kind = _BY_KIND[wire[0]]
     except (KeyError, IndexError, TypeError):
         raise ValueError(f"not a runner message: {wire!r:.200}") from None
-    return kind.from_wire(wire)  # type: ignore[no-any-return]
+    return kind.from_wire(wire)

@@ -67,7 +67,7 @@ def anonymous_segment(label: str, size: int, *, kind: str | None = None) -> int:
     if kind == "memfd":
         fd = os.memfd_create(label, getattr(os, "MFD_CLOEXEC", 0))
     elif kind == "posix":
-        import _posixshmem  # type: ignore[import-not-found]  # private, see above
+        import _posixshmem  # private, see above
 
         fd = _posixshmem.shm_open("/" + label, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode=0o600)
         _posixshmem.shm_unlink("/" + label)

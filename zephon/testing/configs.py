@@ -120,8 +120,8 @@ class Config:
                                 "the step to stop and save at")
         if segs[-1].until is not None:
             raise PlanError(f"configuration {text!r}: the last segment runs to the end; drop its @STEP")
-        stops = [s.until for s in segs[:-1]]
-        if stops != sorted(set(stops)) or (stops and stops[0] < 1):  # type: ignore[type-var]
+        stops = [s.until for s in segs[:-1] if s.until is not None]  # all of them (checked above)
+        if stops != sorted(set(stops)) or (stops and stops[0] < 1):
             raise PlanError(f"configuration {text!r}: stops must increase and be >= 1")
         return Config(tuple(segs))
 
@@ -193,11 +193,11 @@ def matrix(*, steps: int, backends: Sequence[str] = BACKENDS, degrees: Sequence[
         out += default_resume(steps, backends)
     else:
         for i, spec in enumerate(resume):
-            m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*->\s*(\d+)\s*", spec)
-            if not m:
+            found = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*->\s*(\d+)\s*", spec)
+            if not found:
                 raise PlanError(f"resume {spec!r}: write STEP:D1->D2, e.g. 10:2->8 (stop after step 10 "
                                 "at D=2, resume at D=8)")
-            at, d1, d2_ = (int(x) for x in m.groups())
+            at, d1, d2_ = (int(x) for x in found.groups())
             if not 0 < at < steps:
                 raise PlanError(f"resume {spec!r}: the stop {at} must be inside the run (1..{steps - 1})")
             b1, b2 = backends[i % len(backends)], backends[(i + 1) % len(backends)]

@@ -135,13 +135,13 @@ def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *
     each compares. Never raises for a difference (see `Report.ok`); raises `FactoryError` /
     `PlanError` when the pipeline itself cannot be built or run."""
     builder = factory if isinstance(factory, Builder) else Builder(factory)
-    configs = [Config.parse(c) if isinstance(c, str) else c for c in configs]
+    parsed = [Config.parse(c) if isinstance(c, str) else c for c in configs]
     t0 = time.perf_counter()
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=(len(configs) + 1) * steps, desc=name or builder.name, unit="step",
+        bar = tqdm(total=(len(parsed) + 1) * steps, desc=name or builder.name, unit="step",
                    leave=False, dynamic_ncols=True)
     tick = (lambda: bar.update(1)) if bar is not None else None
     try:
@@ -152,7 +152,7 @@ def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *
         ref_fps = [record_fingerprint(r) for r in ref.records]
         results = [RunResult(REFERENCE.name + " (reference)", "identical", len(ref.records), ref_fps,
                              [True] * len(ref.records), seconds=time.perf_counter() - t)]
-        for cfg in configs:
+        for cfg in parsed:
             if bar is not None:
                 bar.set_postfix_str(cfg.name[:40])
             t = time.perf_counter()
