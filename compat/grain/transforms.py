@@ -19,8 +19,15 @@ import grain
 import numpy as np
 
 from zephon.columns import objects
-from zephon.errors import DecodeError, PlanError
-from zephon.ops.base import Accumulator, Transform, record_rng, record_seeds, run_transforms
+from zephon.errors import PlanError
+from zephon.ops.base import (
+    Accumulator,
+    Transform,
+    call_on_record,
+    record_rng,
+    record_seeds,
+    run_transforms,
+)
 from zephon.plan import Refs
 from zephon.sources.base import Columns
 
@@ -44,15 +51,6 @@ def _with_records(cols: Columns, records: Sequence[Any]) -> Columns:
     if RNG in cols:
         out[RNG] = cols[RNG]
     return out
-
-
-def _run(fn: Callable[..., Any], what: str, refs: Refs, i: int, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except Exception as e:
-        raise DecodeError(f"{what} failed on record {int(refs.record[i])} of source "
-                          f"{int(refs.source[i])} (epoch {int(refs.epoch[i])}): {e!r}. Fix the "
-                          "transform or the record; nothing was skipped.") from e
 
 
 def _tag_values(refs: Refs, tag: int, what: str) -> np.ndarray:
@@ -80,7 +78,7 @@ class GrainMap(GrainTransform):
 
     def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, None]:
         fn, what = self.fn, self.name
-        return _with_records(cols, [_run(fn, what, refs, i, r) for i, r in enumerate(records_of(cols))]), None
+        return _with_records(cols, [call_on_record(fn, what, refs, i, r) for i, r in enumerate(records_of(cols))]), None
 
 
 @dataclass(frozen=True)
@@ -104,7 +102,7 @@ class GrainMapWithIndex(GrainTransform):
         fn = (self.transform.map_with_index if isinstance(self.transform, grain.transforms.MapWithIndex)
               else self.transform)
         index = _tag_values(refs, self.tag, self.name)
-        return _with_records(cols, [_run(fn, self.name, refs, i, int(index[i]), r)
+        return _with_records(cols, [call_on_record(fn, self.name, refs, i, int(index[i]), r)
                                     for i, r in enumerate(records_of(cols))]), None
 
 
@@ -171,7 +169,7 @@ class GrainRandomMap(GrainTransform):
         fn = (self.transform.random_map if isinstance(self.transform, grain.transforms.RandomMap)
               else self.transform)
         rngs = self._rngs(cols, refs)
-        out = _with_records(cols, [_run(fn, self.name, refs, i, r, g)
+        out = _with_records(cols, [call_on_record(fn, self.name, refs, i, r, g)
                                    for i, (r, g) in enumerate(zip(records_of(cols), rngs))])
         if self.rng == "sampler":
             out[RNG] = objects(rngs)
@@ -192,7 +190,7 @@ class GrainFilter(GrainTransform):
     def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, np.ndarray]:
         fn = self.transform.filter if isinstance(self.transform, grain.transforms.Filter) else self.transform
         recs = records_of(cols)
-        keep = np.fromiter((bool(_run(fn, self.name, refs, i, r)) for i, r in enumerate(recs)),
+        keep = np.fromiter((bool(call_on_record(fn, self.name, refs, i, r)) for i, r in enumerate(recs)),
                            dtype=bool, count=len(recs))
         return cols, keep
 
