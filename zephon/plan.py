@@ -357,9 +357,7 @@ def Skip(child: Node, n: int) -> Slice:
 # The routing of a mix and the lanes/batch root live in their own modules; this one stays the
 # algebra's front door, so `from zephon.plan import Mix, Lanes, Batch` keeps working.
 from zephon.batching import Batch, Lanes, check_degree  # noqa: E402
-from zephon.batching import _check_step as _check_step  # noqa: E402
 from zephon.mixing import Mix  # noqa: E402
-from zephon.mixing import _gather_children as _gather_children  # noqa: E402 - compat's order nodes
 
 Plan = Batch
 """A complete plan is its root `Batch` node."""
