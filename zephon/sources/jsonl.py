@@ -21,9 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..columns import flatten as flatten_dict
-from ..columns import objects as _objects
-from ..columns import stack as stack_values
+from ..columns import flatten, objects, stack
 from ..errors import DecodeError, SourceError
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
@@ -162,7 +160,7 @@ class JsonlSource(FileHandles):
             except DecodeError as e:
                 problem = problem or str(e)
                 continue
-            flat = flatten_dict(row)
+            flat = flatten(row)
             if keys is None:
                 keys, first_record = tuple(flat), record
             elif set(flat) != set(keys):
@@ -224,7 +222,7 @@ class JsonlSource(FileHandles):
             "line, or write the field in every line (a null needs schema type 'any').")
 
     def _check(self, record: int, row: dict[str, Any]) -> dict[str, Any]:
-        flat = flatten_dict(row) if self._nested else row
+        flat = flatten(row) if self._nested else row
         if flat.keys() != self._keys:
             raise self._fields_error(record, flat, self.schema, self._schema_origin)
         for name, kind, ok in self._checks:
@@ -338,7 +336,7 @@ class JsonlSource(FileHandles):
             return np.empty(0, dtype={"int": np.int64, "float": np.float64,
                                       "bool": np.bool_}.get(kind, object))
         if kind in ("str", "any") or name in self.ragged:
-            return _objects(values)
+            return objects(values)
         if kind in ("int", "float", "bool"):
             dtype = {"int": np.int64, "float": np.float64, "bool": np.bool_}[kind]
             try:
@@ -348,7 +346,7 @@ class JsonlSource(FileHandles):
                 raise DecodeError(f"{self._where(int(idx[bad]))}: field {name!r} is {values[bad]}, "
                                   "beyond int64; store it as a string, or pass "
                                   f"schema={{{name!r}: 'any'}}.") from None
-        arr = stack_values(values)
+        arr = stack(values)
         if arr.dtype != object and kind in ("list[int]", "list[float]", "list[bool]"):
             arr = arr.astype({"list[int]": np.int64, "list[float]": np.float64,
                               "list[bool]": np.bool_}[kind], copy=False)

@@ -12,8 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..columns import flatten as flatten_dict
-from ..columns import to_columns as rows_to_columns
+from ..columns import flatten, to_columns
 from ..errors import DecodeError, SourceError
 from .base import Columns, as_indices
 
@@ -54,7 +53,7 @@ class TFDSSource:
                 "builder.download_and_prepare(file_format='array_record'); random access needs "
                 "the array_record file format.") from e
         # Fields with a None dimension vary per record: always objects, never value-dependent.
-        info = flatten_dict(self._ds.dataset_info.features.get_tensor_info())
+        info = flatten(self._ds.dataset_info.features.get_tensor_info())
         self._ragged = frozenset(k for k, t in info.items() if None in t.shape)
         self._what = repr(self)  # as_indices names the source; repr is too slow per read
 
@@ -89,4 +88,4 @@ class TFDSSource:
             if not isinstance(row, dict):
                 raise DecodeError(f"{self._where(keys[i])}: TFDS returned {type(row).__name__}, "
                                   "expected a dict of features; use a FeaturesDict.")
-        return rows_to_columns(rows, lambda i: self._where(keys[i]), self._ragged)
+        return to_columns(rows, lambda i: self._where(keys[i]), self._ragged)
