@@ -86,7 +86,7 @@ class LaneEngine:
         self._epoch = None if period is None else -(-period // lanes.count)
         self._dry_limit = 0 if self._epoch is None else max(64 * self._epoch, 1 << 16)
         self._dry = np.zeros(len(owned), np.int64)
-        self._seen: set[int] = set()
+        self._checked = -1  # the last window number the guard counted (windows come in order)
         self._held: list[tuple[Columns, list[Provenance]]] = []
         if pipeline.acc is not None:
             self._held = rematerialize(self.task, self.states)
@@ -169,9 +169,9 @@ class LaneEngine:
         its filter rejects everything it sees, and waiting would hang the training loop."""
         if self._epoch is None:
             return
-        if win.number in self._seen:
+        if win.number <= self._checked:
             return
-        self._seen.add(win.number)
+        self._checked = win.number
         span = self.task.span(win.number)[1]
         self._dry = np.where(got | ~wanted, 0, self._dry + span)
         bad = np.flatnonzero(self._dry > self._dry_limit)
