@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zephon.checkpoint import STATE_VERSION, check_state_version
-from zephon.errors import PlanError, StateError
+from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.batch import LocalBatch, check_micro_count
 from zephon.exec.lanes import LaneEngine
 from zephon.exec.pipeline import LanePipeline
@@ -107,11 +107,7 @@ class Loader:
         self.random_access = self.pipeline.one_to_one and not self.token_mix
         self.one_to_one = self.random_access
         self.runner = runner
-        if read_ahead is not None and (isinstance(read_ahead, bool) or not isinstance(read_ahead, (int, np.integer))):
-            raise PlanError(f"read_ahead must be a positive number of rows, got {read_ahead!r}")
-        self.read_ahead = READ_AHEAD_ROWS if read_ahead is None else int(read_ahead)
-        if self.read_ahead < 1:
-            raise PlanError(f"read_ahead must be a positive number of rows, got {read_ahead!r}")
+        self.read_ahead = READ_AHEAD_ROWS if read_ahead is None else check_positive_int(read_ahead, "read_ahead")
         self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed)
         self._pending: Iterator[tuple[Columns, Refs]] | None = None
         self._engine: LaneEngine | None = None
