@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from zephon.columns import to_columns
 from zephon.errors import DecodeError, PlanError, StateError
 from zephon.permute import splitmix64
 from zephon.plan import Refs
@@ -134,13 +133,6 @@ class Transform(Operator):
     def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, np.ndarray | None]:
         raise NotImplementedError(f"{type(self).__name__} subclasses Transform but does not implement "
                                   "apply(cols, refs, seed) -> (cols, rows)")
-
-
-def stack_records(records: list[Record], template: Columns | None = None) -> Columns:
-    """A row operator's output records as columns, by the one rule of `zephon.columns` (so a
-    column's dtype never depends on which records one step happened to hold); no records:
-    `template`'s columns, empty."""
-    return to_columns(records, template=template)
 
 
 def record_seeds(seed: int, refs: Refs) -> np.ndarray:

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from zephon.columns import to_records
+from zephon.columns import to_columns, to_records
 from zephon.errors import PlanError
-from zephon.ops.base import Transform, call_on_record, stack_records
+from zephon.ops.base import Transform, call_on_record
 from zephon.plan import Refs
 from zephon.sources.base import Columns
 
@@ -68,4 +68,4 @@ class FlatMap(Transform):
                                 f"{int(refs.source[i])}")
             outs += got
             rows += [i] * len(got)
-        return stack_records(outs, cols), np.asarray(rows, np.int64)
+        return to_columns(outs, template=cols), np.asarray(rows, np.int64)
