@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from zephon.errors import WorkerError
+from zephon.errors import WorkerError, check_positive_int
 from zephon.runners import errors
-from zephon.runners.base import END, R, T, available_cores, positive
+from zephon.runners.base import END, R, T, available_cores
 from zephon.runners.messages import Done, Failed, Request, Run, SetFunction, Stop, decode, encode
 from zephon.runners.transport import Slot, SlotPool, fd_socket, recv_fd, send_fd
 from zephon.runners.worker import worker_main
@@ -93,8 +93,8 @@ class Processes:
 
     def __init__(self, workers: int | None = None, *, depth: int | None = None,
                  start_method: str | None = None, timeout: float | None = None) -> None:
-        self.workers = positive("processes(workers)", available_cores() if workers is None else workers)
-        self.depth = positive("processes(depth)", 2 * self.workers if depth is None else depth)
+        self.workers = check_positive_int(available_cores() if workers is None else workers, "processes(workers)")
+        self.depth = check_positive_int(2 * self.workers if depth is None else depth, "processes(depth)")
         self.start_method = start_method or _default_start_method()
         if self.start_method not in mp.get_all_start_methods():
             raise ValueError(f"start method {self.start_method!r} is not available here; use one of "

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from zephon.runners.base import END, R, T, available_cores, positive
+from zephon.errors import check_positive_int
+from zephon.runners.base import END, R, T, available_cores
 
 
 class Threads:
@@ -29,8 +30,8 @@ class Threads:
     """
 
     def __init__(self, workers: int | None = None, *, depth: int | None = None) -> None:
-        self.workers = positive("threads(workers)", available_cores() if workers is None else workers)
-        self.depth = positive("threads(depth)", 2 * self.workers if depth is None else depth)
+        self.workers = check_positive_int(available_cores() if workers is None else workers, "threads(workers)")
+        self.depth = check_positive_int(2 * self.workers if depth is None else depth, "threads(depth)")
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
