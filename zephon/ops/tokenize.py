@@ -9,6 +9,7 @@ taken with one tokenizer is refused under another.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,8 +21,11 @@ import numpy as np
 from zephon.columns import objects
 from zephon.errors import DecodeError, PlanError
 from zephon.ops.base import Transform, fn_name
+from zephon.ops.pretokens import PretokenCache, ineligible
 from zephon.plan import Refs
 from zephon.sources.base import Columns
+
+log = logging.getLogger(__name__)
 
 
 def _load_hf(spec: Any) -> Any:
@@ -55,6 +59,9 @@ class Tokenize(Transform):
         `max_tokens` (no token lost; each piece its own row) or `truncate`d (the number cut goes
         to column `truncated`). None: no limit (packing splits long documents itself).
       keep_text: keep the text column next to the tokens.
+      cache: pieces kept by the exact pre-token cache (`zephon.ops.pretokens`), which encodes
+        GPT-2-style byte-level BPE several times faster than `encode_batch` with the same ids;
+        0 turns it off. Tokenizers it cannot serve exactly are used as they are.
     """
 
     tokenizer: Any
@@ -65,6 +72,7 @@ class Tokenize(Transform):
     max_tokens: int | None = None
     overflow: Literal["split", "truncate"] = "split"
     keep_text: bool = False
+    cache: int = 1 << 17
     name: str | None = None
     version: int = 1
     params: Mapping[str, Any] = dc_field(default_factory=dict)
@@ -74,6 +82,9 @@ class Tokenize(Transform):
             raise PlanError(f"Tokenize.overflow must be 'split' or 'truncate', got {self.overflow!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise PlanError(f"Tokenize.max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if not isinstance(self.cache, int) or self.cache < 0:
+            raise PlanError(f"Tokenize.cache must be a number of pieces >= 0 (0: off), got {self.cache!r}")
+        object.__setattr__(self, "_cache", None)
         if callable(self.tokenizer) and not hasattr(self.tokenizer, "encode_batch"):
             object.__setattr__(self, "_json", None)
             object.__setattr__(self, "_hf", None)
@@ -88,6 +99,7 @@ class Tokenize(Transform):
         if d.get("_json") is not None:
             d["tokenizer"] = None
             d["_hf"] = None
+        d["_cache"] = None  # per process: rebuilt (empty) where the operator runs
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
@@ -101,6 +113,15 @@ class Tokenize(Transform):
 
             object.__setattr__(self, "_hf", tokenizers.Tokenizer.from_str(self._json))  # type: ignore[attr-defined]
         return self._hf  # type: ignore[attr-defined]
+
+    def _pretokens(self) -> PretokenCache | None:
+        """The pre-token cache, if it is on and can serve this tokenizer exactly."""
+        if self._cache is None and self.cache and self._json is not None:  # type: ignore[attr-defined]
+            why = ineligible(self._json)  # type: ignore[attr-defined]
+            if why is not None:
+                log.debug("Tokenize: no pre-token cache for this tokenizer: %s", why)
+            object.__setattr__(self, "_cache", False if why else PretokenCache(self._encoder(), self.cache))
+        return self._cache or None  # type: ignore[attr-defined]
 
     @property
     def expands(self) -> bool:  # type: ignore[override]
@@ -145,15 +166,18 @@ class Tokenize(Transform):
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids of each text (with BOS/EOS), as int32 arrays."""
-        hf = self._encoder()
-        if hf is not None:
-            fast = getattr(hf, "encode_batch_fast", None) or hf.encode_batch
-            ids = [e.ids for e in fast(list(texts), add_special_tokens=False)]
+        cache = self._pretokens()
+        if cache is not None:
+            ids = cache.encode(texts)
+        elif (hf := self._encoder()) is not None:
+            ids = PretokenCache.hf(hf, texts)
         else:
-            ids = [list(self.tokenizer(t)) for t in texts]
+            ids = [np.array(list(self.tokenizer(t)), dtype=np.int32) for t in texts]
         head = [self.bos] if self.bos is not None else []
         tail = [self.eos] if self.eos is not None else []
-        return [np.array(head + x + tail if head or tail else x, dtype=np.int32) for x in ids]
+        if not head and not tail:
+            return ids
+        return [np.concatenate([np.array(head, np.int32), x, np.array(tail, np.int32)]) for x in ids]
 
     def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, np.ndarray | None]:
         toks = self.encode(self._texts(cols, refs))
