@@ -24,10 +24,20 @@ texts and the same tokenizer, in one run:
                                                    what a performance-minded Grain user writes;
                                                    without mp_prefetch only with --grain-runners
                                                    all
+                   pretoken-cache ...              a reference, not a Grain configuration:
+                                                   one text per `.map` call through Zephon's
+                                                   exact pre-token cache (the ids Zephon's
+                                                   Tokenize computes by default), so the two
+                                                   pipelines compare on equal tokenizing cost
                  First-/best-fit raise on a document longer than seq_len, so their tokenize map
                  truncates (users must): `tokens_lost` is the fraction of all tokens cut off.
                  Concat-then-split splits documents and loses nothing.
-  zephon         from a hook (below), when the Zephon operators exist; otherwise skipped.
+  zephon         from a hook (below), when the Zephon operators exist; otherwise skipped. Its
+                 `Tokenize` uses the pre-token cache by default; runner "... cache=0" is the
+                 reference without it (the tokenizer's own encode_batch, as Grain has).
+
+References (runners with "cache") are measured and drawn (hatched) but never picked as a row of
+pack.json: Grain's rows are Grain's own configurations, Zephon's rows Zephon's defaults.
 
 Rates are steady state: after the first batch and a warm-up (worker start-up and buffer filling
 count for no one), non-padding tokens emitted per second over a fixed time, the texts repeating
@@ -141,6 +151,21 @@ class TokenizeTexts(grain.transforms.Map):
                 for e in encodings]
 
 
+class CachedTokenizeText(grain.transforms.Map):
+    """`TokenizeText` through Zephon's pre-token cache (same ids, less work): the reference
+    that puts Grain's pipeline on Zephon's tokenizing cost. One cache per worker process."""
+
+    def __init__(self, tokenizer: Any, limit: int | None = None) -> None:
+        from zephon.ops.pretokens import PretokenCache
+
+        self.cache = PretokenCache(tokenizer, 1 << 17)
+        self.limit = limit
+
+    def map(self, text: str) -> dict[str, np.ndarray]:
+        ids = self.cache.encode([text])[0]
+        return {"tokens": ids if self.limit is None else ids[:self.limit]}
+
+
 class Unbatch(grain.experimental.FlatMapTransform):
     """Undoes `TokenizeTexts`' grouping: one element per document again."""
 
@@ -155,7 +180,8 @@ def _as_list(texts: Sequence[str]) -> list[str]:
 
 
 GRAIN_RUNNERS_ALL = ("iter threads=0", "iter threads=16", "mp_prefetch workers=2 threads=0",
-                     "batch-encode iter threads=0", "batch-encode mp_prefetch workers=2 threads=0")
+                     "batch-encode iter threads=0", "batch-encode mp_prefetch workers=2 threads=0",
+                     "pretoken-cache mp_prefetch workers=2 threads=0")
 #: The default run skips two configurations that never won a row, to stay near 6 minutes:
 #: Grain's default ReadOptions (16 threads) ran at about half the rate of threads=0 in every
 #: mode (GIL contention: the tokenizer's encode holds the GIL), and batch-encode without worker
@@ -172,7 +198,9 @@ def grain_pipeline(texts: Sequence[str], tokenizer: Any, seq_len: int, batch: in
     threads = int(runner.rsplit("threads=", 1)[1])
     read = grain.ReadOptions(num_threads=threads) if threads else grain.ReadOptions(num_threads=0)
     ds = grain.MapDataset.source(list(texts)).repeat()
-    if runner.startswith("batch-encode"):
+    if runner.startswith("pretoken-cache"):
+        it = ds.map(CachedTokenizeText(tokenizer, limit)).to_iter_dataset(read)
+    elif runner.startswith("batch-encode"):
         ds = ds.batch(GRAIN_ENCODE_BATCH, batch_fn=_as_list).map(TokenizeTexts(tokenizer, limit))
         it = grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(read), Unbatch())
     else:
@@ -301,6 +329,11 @@ def find_zephon_runner() -> tuple[Callable[..., dict[str, Any]] | None, tuple[st
 # --- the run -----------------------------------------------------------------------------------
 
 
+def is_reference(runner: str) -> bool:
+    """Measured for comparison, never a headline row (see the module doc)."""
+    return "cache" in runner
+
+
 def _row(system: str, mode: str, seq_len: int, runner: str, tokens_per_s: float, padding: float,
          tokens_lost: float) -> dict[str, Any]:
     return {"system": system, "mode": mode, "seq_len": seq_len, "runner": runner,
@@ -379,9 +412,11 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]
         ceiling["tokens_per_s"] = max(ceiling["tokens_per_s"], middle["tokens_per_s"])
         first_round = list(sweep)
         again = []
-        for key in {(e["system"], e["mode"], e["seq_len"]) for e in first_round}:
-            ranked = sorted((e for e in first_round
-                             if (e["system"], e["mode"], e["seq_len"]) == key),
+        def group(e: dict[str, Any]) -> tuple[str, bool, str, int]:
+            return e["system"], is_reference(e["runner"]), e["mode"], e["seq_len"]
+
+        for key in {group(e) for e in first_round}:
+            ranked = sorted((e for e in first_round if group(e) == key),
                             key=lambda e: -e["tokens_per_s"])
             top = ranked[0]["tokens_per_s"]
             close = [e for e in ranked[:2] if e["tokens_per_s"] >= 0.75 * top]
@@ -394,7 +429,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]
                        f"{e['loadavg_1min']:.1f})", file=sys.stdout)
     best: dict[tuple[str, str, int], dict[str, Any]] = {}
     for e in sweep:
-        key = (e["system"], e["mode"], e["seq_len"])
+        key = (e["system"] + " (reference)" * is_reference(e["runner"]), e["mode"], e["seq_len"])
         if key not in best or e["tokens_per_s"] > best[key]["tokens_per_s"]:
             best[key] = e
     again = encode_batch_ceiling(tokenizer, texts, repeats=args.repeats)
@@ -402,6 +437,11 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]
 
     passes = 3 if args.rounds > 1 else 2
     rows = []
+    references = [_row(e["system"], e["mode"], e["seq_len"], e["runner"], e["tokens_per_s"],
+                       e["padding"], e["tokens_lost"])
+                  for (system, mode, seq_len), e in sorted(
+                      best.items(), key=lambda kv: (kv[0][2], kv[0][0], MODES.index(kv[0][1])))
+                  if "(reference)" in system]
     for seq_len in args.seq_lens:
         rows.append(_row("encode_batch", "ceiling", seq_len,
                          f"encode_batch chunks of {ENCODE_CHUNK}, best of {passes * args.repeats} "
@@ -414,7 +454,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]
                     rows.append(_row(system, mode, seq_len, e["runner"], e["tokens_per_s"],
                                      e["padding"], e["tokens_lost"]))
     total_s = time.perf_counter() - t_start
-    meta = {"corpus": corpus, "batch": BATCH, "num_packing_bins": NUM_PACKING_BINS,
+    meta = {"corpus": corpus, "references": references, "batch": BATCH, "num_packing_bins": NUM_PACKING_BINS,
             "timing": {"warmup_s": TIMING.warmup_s, "seconds": TIMING.seconds},
             "quick": args.quick, "total_s": round(total_s, 1), "machine": {
                 "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -426,44 +466,50 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]
     return rows, meta
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
+def print_table(rows: list[dict[str, Any]], references: list[dict[str, Any]]) -> None:
     ceilings = {r["seq_len"]: r["tokens_per_s"] for r in rows if r["system"] == "encode_batch"}
     print(f"\n{'system':12} {'mode':9} {'seq':>5} {'tokens/s':>11} {'of ceil':>8} "
           f"{'padding':>8} {'lost':>7}  runner")
-    for r in rows:
+    for r in rows + [{**r, "system": r["system"] + " ref"} for r in references]:
         print(f"{r['system']:12} {r['mode']:9} {r['seq_len']:5} {r['tokens_per_s']:>11,.0f} "
               f"{r['tokens_per_s'] / ceilings[r['seq_len']]:>8.0%} {r['padding']:>8.2%} "
               f"{r['tokens_lost']:>7.2%}  {r['runner']}")
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Bars: tokens/s per mode (one colour a system) for each seq_len; line: the ceiling."""
+def plot(rows: list[dict[str, Any]], references: list[dict[str, Any]], path: Path,
+         title: str) -> None:
+    """Bars: tokens/s per mode (one colour a system, hatched: its reference run) for each
+    seq_len; line: the ceiling."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     seq_lens = sorted({r["seq_len"] for r in rows})
-    systems = [s for s in ("zephon", "grain") if any(r["system"] == s for r in rows)]
     colors = {"zephon": "#2b7bba", "grain": "#e8902e"}
-    fig, axes = plt.subplots(1, len(seq_lens), figsize=(6.5 * len(seq_lens), 4.8), sharey=True,
+    labels = {("zephon", False): "zephon", ("zephon", True): "zephon, pre-token cache off (ref.)",
+              ("grain", False): "grain", ("grain", True): "grain + Zephon's pre-token cache (ref.)"}
+    series = [(system, ref, [r for r in (references if ref else rows) if r["system"] == system])
+              for system in ("zephon", "grain") for ref in (False, True)]
+    series = [s for s in series if s[2]]
+    fig, axes = plt.subplots(1, len(seq_lens), figsize=(7.5 * len(seq_lens), 5.0), sharey=True,
                              squeeze=False)
-    top = max(r["tokens_per_s"] for r in rows) * 1.25 / 1e3
+    top = max(r["tokens_per_s"] for r in rows + references) * 1.25 / 1e3
     for ax, seq_len in zip(axes[0], seq_lens):
-        width = 0.8 / max(len(systems), 1)
-        for k, system in enumerate(systems):
+        width = 0.84 / max(len(series), 1)
+        for k, (system, ref, mine) in enumerate(series):
             for j, mode in enumerate(MODES):
-                r = next((r for r in rows if (r["system"], r["mode"], r["seq_len"]) ==
-                          (system, mode, seq_len)), None)
+                r = next((r for r in mine if (r["mode"], r["seq_len"]) == (mode, seq_len)), None)
                 if r is None:
                     continue
-                x = j + (k - (len(systems) - 1) / 2) * width
+                x = j + (k - (len(series) - 1) / 2) * width
                 ax.bar(x, r["tokens_per_s"] / 1e3, width * 0.95, color=colors[system],
-                       label=system if j == 0 else None)
+                       hatch="//" if ref else None, alpha=0.55 if ref else 1.0,
+                       label=labels[system, ref] if j == 0 else None)
                 note = f"pad {r['padding']:.1%}\nlost {r['tokens_lost']:.0%}"
-                ax.text(x, r["tokens_per_s"] / 1e3, note, ha="center", va="bottom", fontsize=7)
+                ax.text(x, r["tokens_per_s"] / 1e3, note, ha="center", va="bottom", fontsize=6)
                 ax.text(x, 4, r["runner"].replace(" threads=0", "").replace(" ", "\n", 1),
-                        ha="center", va="bottom", fontsize=6, rotation=90, color="white")
+                        ha="center", va="bottom", fontsize=5, rotation=90, color="k" if ref else "white")
         ceiling = next(r["tokens_per_s"] for r in rows
                        if r["system"] == "encode_batch" and r["seq_len"] == seq_len)
         ax.axhline(ceiling / 1e3, color="k", ls="--", lw=1,
@@ -523,18 +569,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         rows = json.loads((out / f"{args.name}.json").read_text())
         meta = json.loads((out / f"{args.name}_sweep.json").read_text())
+        meta.setdefault("references", [])
     else:
         rows, meta = run(args)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{args.name}.json").write_text(json.dumps(rows, indent=1) + "\n")
         (out / f"{args.name}_sweep.json").write_text(json.dumps(meta, indent=1) + "\n")
-    print_table(rows)
+    print_table(rows, meta["references"])
     if not args.no_plot:
         c = meta["corpus"]
         loads = [e["loadavg_1min"] for e in meta["sweep"] if "loadavg_1min" in e]
         busy = (f", load avg {min(loads):.1f}-{max(loads):.1f} during the run"
                 if loads and max(loads) > 1.5 * meta["machine"]["cpus"] / 2 else "")
-        plot(rows, out / f"{args.name}.png",
+        plot(rows, meta["references"], out / f"{args.name}.png",
              f"tokenize + pack, {c['mb']} MB generated prose ({c['tokens']:,} tokens), BPE "
              f"{c['vocab']}, {meta['machine']['cpus']} CPUs{busy}"
              + (" (quick)" if meta.get("quick") else ""))
