@@ -193,6 +193,29 @@ def test_mix_by_tokens_equals_the_direct_loader_and_is_elastic(corpora):
         next(iter(packed(mixed.map_with_index(lambda i, x: x), "concat").batch(8).lanes(4)))
 
 
+
+def test_mix_by_tokens_takes_a_weight_schedule(corpora):
+    """zg.Dataset.mix(..., by='tokens', schedule=...) compiles to zephon.Mix(schedule=...): the
+    same rows as the direct loader across the change; refused for a mix by samples."""
+    prose, code, tok = corpora
+    schedule = ((3, (0.2, 0.8)),)
+    a = (zg.Dataset.source([{"text": t} for t in prose], order="zephon").shuffle(seed=1).repeat()
+         .map(Tokenize(tok, eos=EOS_ID)))
+    b = (zg.Dataset.source([{"body": t} for t in code], order="zephon").shuffle(seed=2).repeat()
+         .map(Tokenize(tok, field="body", eos=EOS_ID)))
+    ds = packed(zg.Dataset.mix([a, b], [0.7, 0.3], by="tokens", schedule=schedule), "concat").batch(8).lanes(4)
+    plan = Mix([Source(len(prose), id=0).shuffle(1).repeat(), Source(len(code), id=1).shuffle(2).repeat()],
+               [0.7, 0.3], by="tokens", schedule=schedule).lanes(4).batch(8)
+    direct = Loader(plan, [ArraySource({"text": objects(prose)}), ArraySource({"body": objects(code)})],
+                    [Pack(SEQ, names="maxtext")],
+                    per_source={0: [Tokenize(tok, eos=EOS_ID)], 1: [Tokenize(tok, field="body", eos=EOS_ID)]})
+    assert_same(take(iter(ds), 6), [b.data for b in take(direct, 6)])
+    unscheduled = packed(zg.Dataset.mix([a, b], [0.7, 0.3], by="tokens"), "concat").batch(8).lanes(4)
+    scheduled, plain = ds.fingerprints(6), unscheduled.fingerprints(6)
+    assert scheduled[:3] == plain[:3] and scheduled[3] != plain[3]  # the weights change at step 3
+    with pytest.raises(PlanError, match="needs by='tokens'"):
+        zg.Dataset.mix([a, b], [0.7, 0.3], schedule=schedule)
+
 def test_packed_batches_reach_jax_and_torch(corpora):
     import jax
     import torch

@@ -38,48 +38,71 @@ class Mix(Node, kind="Mix"):
     mixture. `by="tokens"` makes the lane engine balance realised token counts instead of record
     counts (the length of column `count_field` after each child's pipeline); such a mix has no
     random access by position (its schedule depends on the data) and must sit under `lanes()`.
+
+    `schedule` (by tokens only) is a curriculum that is part of the plan: `((step, weights),
+    ...)` with increasing steps; `weights` apply from step 0, each entry's from its step on.
+    At each such step every lane starts its token counts afresh under the new weights, so the
+    mixture follows the schedule in every lane, at every D and across a resume.
     """
 
     children: tuple[Node, ...]
     weights: tuple[float, ...]
     by: Literal["samples", "tokens"] = "samples"
     count_field: str = "tokens"
+    schedule: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     if TYPE_CHECKING:  # the generated __init__ takes any sequences (__post_init__ makes them tuples)
         def __init__(self, children: Sequence[Node], weights: Sequence[float],
-                     by: Literal["samples", "tokens"] = "samples", count_field: str = "tokens") -> None: ...
+                     by: Literal["samples", "tokens"] = "samples", count_field: str = "tokens",
+                     schedule: Sequence[tuple[int, Sequence[float]]] = ()) -> None: ...
 
     def __post_init__(self) -> None:
         if not isinstance(self.children, tuple):
             object.__setattr__(self, "children", tuple(self.children))
-        weights = self.weights
-        if isinstance(weights, (Mapping_, str, bytes)) or not isinstance(weights, Iterable):
-            raise PlanError(f"Mix weights must be a list of numbers, one per child, got {weights!r}")
-        if not isinstance(weights, tuple):
-            object.__setattr__(self, "weights", tuple(weights))
         if not self.children:
             raise PlanError("Mix needs at least one child")
         if not all(isinstance(c, Node) for c in self.children):
             raise PlanError("Mix children must be plan nodes (e.g. Source(n, id=i).repeat())")
-        if len(self.weights) != len(self.children):
-            raise PlanError(f"Mix has {len(self.children)} children but {len(self.weights)} weights; "
-                            "give one weight per child.")
-        if not all(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
-                   for x in self.weights):
-            raise PlanError(f"Mix weights must be numbers, got {list(self.weights)}")
-        w = [float(x) for x in self.weights]
-        if any(not math.isfinite(x) or x < 0 for x in w) or max(w) <= 0:
-            raise PlanError(f"Mix weights must be finite, non-negative and sum to a positive number, "
-                            f"got {list(self.weights)}; a weight of 0 drops a child, NaN or a "
-                            "negative weight is a mistake.")
-        object.__setattr__(self, "weights", tuple(w))
+        object.__setattr__(self, "weights", _checked_weights(self.weights, len(self.children), "Mix weights"))
+        schedule = self.schedule
+        if isinstance(schedule, (Mapping_, str, bytes)) or not isinstance(schedule, Iterable):
+            raise PlanError(f"Mix schedule must be a list of (step, weights) pairs, got {schedule!r}")
+        entries: list[tuple[int, tuple[float, ...]]] = []
+        for entry in schedule:
+            pair: tuple[Any, ...] = tuple(entry) if isinstance(entry, Iterable) else ()
+            if isinstance(entry, (str, bytes)) or len(pair) != 2:
+                raise PlanError(f"each entry of a Mix schedule is a (step, weights) pair, got {entry!r}")
+            step, w = pair
+            if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
+                raise PlanError(f"a Mix schedule step must be an integer >= 1 (the weights apply "
+                                f"from step 0 until the first), got {step!r}")
+            if entries and step <= entries[-1][0]:
+                raise PlanError(f"Mix schedule steps must increase, got {step} after {entries[-1][0]}")
+            entries.append((int(step), _checked_weights(w, len(self.children), f"Mix weights from step {step}")))
+        object.__setattr__(self, "schedule", tuple(entries))
         if self.by not in ("samples", "tokens"):
             raise PlanError(f"Mix.by must be 'samples' or 'tokens', got {self.by!r}")
+        if self.schedule and self.by != "tokens":
+            raise PlanError("a Mix weight schedule needs Mix(..., by='tokens'): a mix by samples "
+                            "routes each position with one set of weights (its random access), "
+                            "while a mix by tokens is followed step by step in every lane, where "
+                            "the weights can change at a step.")
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        if not self.schedule:  # plans without one keep the fingerprints they always had
+            del out["schedule"]
+        else:
+            out["schedule"] = [[step, list(w)] for step, w in self.schedule]
+        return out
+
+    def weights_from(self) -> list[tuple[int, np.ndarray]]:
+        """(first step, normalised weights) of every stretch of the schedule, from step 0."""
+        return [(0, self.normalized)] + [(step, _normalized(w)) for step, w in self.schedule]
 
     @functools.cached_property
     def normalized(self) -> np.ndarray:
-        w = np.asarray(self.weights, np.float64)
-        return w / w.max() / (w / w.max()).sum()  # scaled first: huge weights cannot overflow
+        return _normalized(self.weights)
 
     @functools.cached_property
     def _tree(self) -> tuple:
@@ -160,6 +183,31 @@ class Mix(Node, kind="Mix"):
                             "token counts); put it directly under .lanes(L) and read it with a Loader.")
         which, inner = self.route(pos)
         return _gather_children(self.children, which, inner, epoch)
+
+
+def _checked_weights(weights: Any, n: int, what: str) -> tuple[float, ...]:
+    """`weights` as n floats, or a PlanError saying what is wrong with them."""
+    if isinstance(weights, (Mapping_, str, bytes)) or not isinstance(weights, Iterable):
+        raise PlanError(f"{what} must be a list of numbers, one per child, got {weights!r}")
+    weights = tuple(weights)
+    if len(weights) != n:
+        which = "" if what == "Mix weights" else f" ({what})"
+        raise PlanError(f"Mix has {n} children but {len(weights)} weights{which}; give one weight "
+                        "per child.")
+    if not all(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+               for x in weights):
+        raise PlanError(f"{what} must be numbers, got {list(weights)}")
+    w = tuple(float(x) for x in weights)
+    if any(not math.isfinite(x) or x < 0 for x in w) or max(w) <= 0:
+        raise PlanError(f"{what} must be finite, non-negative and sum to a positive number, "
+                        f"got {list(weights)}; a weight of 0 drops a child, NaN or a "
+                        "negative weight is a mistake.")
+    return w
+
+
+def _normalized(weights: Sequence[float]) -> np.ndarray:
+    w = np.asarray(weights, np.float64)
+    return w / w.max() / (w / w.max()).sum()  # scaled first: huge weights cannot overflow
 
 
 def _gather_children(children: Sequence[Node], which: np.ndarray, inner: np.ndarray,

@@ -133,7 +133,8 @@ def _build(op: _Op, ctx: _Ctx) -> _Built:
         mixed: Node
         if a.get("by", "samples") == "tokens":
             mixed = Mix(tuple(c.node for c in kids), tuple(float(p) for p in props), by="tokens",
-                        count_field=a.get("count_field") or ctx.count_field)
+                        count_field=a.get("count_field") or ctx.count_field,
+                        schedule=a.get("schedule", ()))
         elif ctx.order == "grain":
             mixed = GrainMix(tuple(c.node for c in kids), props)
         else:

@@ -69,7 +69,8 @@ class Dataset:
 
     @classmethod
     def mix(cls, datasets: Sequence[Dataset], weights: Sequence[float] | None = None, *,
-            by: str = "samples", count_field: str | None = None) -> Dataset:
+            by: str = "samples", count_field: str | None = None,
+            schedule: Sequence[tuple[int, Sequence[float]]] = ()) -> Dataset:
         """`MapDataset.mix`: Grain's deterministic proportional interleave of `datasets`.
 
         `by="tokens"` (Zephon): the weights apply to realised tokens, inside every lane — each
@@ -77,10 +78,14 @@ class Dataset:
         so far (`zephon.Mix(..., by="tokens")`). Each dataset tokenizes before the mix (e.g.
         `.map(Tokenize(...))`); what is counted is the length of column `count_field` (default:
         the feature a later packing step packs, else `tokens`). Such a mix is the last ordering
-        step (shuffle/repeat each dataset before it) and has no random access.
+        step (shuffle/repeat each dataset before it) and has no random access. `schedule`
+        (by tokens only): `((step, weights), ...)`, a curriculum (`zephon.Mix(schedule=...)`).
         """
         if by not in ("samples", "tokens"):
             raise PlanError(f"mix(by=...) must be 'samples' or 'tokens', got {by!r}")
+        if schedule and by != "tokens":
+            raise PlanError("mix(schedule=...) needs by='tokens': a mix by samples has one set of "
+                            "weights (Grain's proportional interleave).")
         datasets = list(datasets)
         if not datasets:
             raise PlanError("mix needs at least one dataset")
@@ -91,7 +96,7 @@ class Dataset:
             d._check_open("mix")
         return cls(_Op("mix", tuple(d._op for d in datasets),
                        {"weights": None if weights is None else tuple(weights), "by": by,
-                        "count_field": count_field}), datasets[0]._config)
+                        "count_field": count_field, "schedule": tuple(schedule)}), datasets[0]._config)
 
     # --- Grain transformations ------------------------------------------------------------------
     def _then(self, kind: str, **args: Any) -> Dataset:

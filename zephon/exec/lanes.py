@@ -46,15 +46,17 @@ log = logging.getLogger(__name__)
 class LaneEngine:
     """Produces the owned rows of consecutive steps of a count-changing pipeline.
 
-    `states` are the owned lanes' `LaneState`s at the first step; `next()` returns the next step's
-    columns (lane-major), the provenance of its rows, and updates `states`.
+    `states` are the owned lanes' `LaneState`s at the first step, `step` (needed by a weight
+    schedule); `next()` returns the next step's columns (lane-major), the provenance of its rows,
+    and updates `states`.
     """
 
     def __init__(self, plan: Batch, sources: Mapping[int, RecordSource], pipeline: LanePipeline,
                  owned: np.ndarray, seed: int, runner: Runner | None, read_ahead: int,
-                 states: Sequence[LaneState]) -> None:
+                 states: Sequence[LaneState], step: int = 0) -> None:
         self.plan, self.sources, self.pipeline = plan, sources, pipeline
         self.owned, self.seed = owned, seed
+        self.step = step
         lanes = plan.lanes
         self.nb = len(lanes.branches)
         mix = lanes.child if isinstance(lanes.child, Mix) and lanes.child.by == "tokens" else None
@@ -292,7 +294,7 @@ class LaneEngine:
         if self.schedule is None:
             rows = self._peek(0, k, count)
             return rows, [0] * len(rows)
-        return self.schedule.candidates(lambda b, c: self._peek(b, k, c), count, mix)
+        return self.schedule.candidates(lambda b, c: self._peek(b, k, c), count, mix, self.step)
 
     def _general_step(self) -> tuple[Columns, Any]:
         per = self.per
@@ -305,6 +307,8 @@ class LaneEngine:
                 self._first_skip(k)
             st = self.states[k]
             cursor, skip, mix = list(st.cursor), list(st.skip), list(st.mix)
+            if self.schedule is not None and self.schedule.restarts(self.step):
+                mix = [0] * len(mix)
             held_cols, held_prov = self._held[k] if acc is not None else ({}, [])
             carry = st.carry
             got: list[Columns] = []
@@ -374,6 +378,7 @@ class LaneEngine:
                                         carry))
         self._skip_applied = True
         self._states = new_states
+        self.step += 1
         if acc is None:  # whole records (a mix by tokens without packing): plain refs
             refs = np.array([row[0][:3] for row in provenance], np.int64).reshape(-1, 3)
             return concat_cols(lane_outs), Refs(refs[:, 0].copy(), refs[:, 1].copy(), refs[:, 2].copy())

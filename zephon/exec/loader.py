@@ -163,7 +163,7 @@ class Loader:
         else:
             if self._engine is None:
                 self._engine = LaneEngine(self.plan, self.sources, self.pipeline, self.owned, self.seed,
-                                          self.runner, self.read_ahead, self._lane_states)
+                                          self.runner, self.read_ahead, self._lane_states, self._step)
             try:
                 cols, prov = self._engine.next()
             except BaseException:

@@ -5,10 +5,15 @@ only after the pipeline ran), so each lane follows it during assembly: the next 
 the branch furthest behind its weight, counted in tokens, ties to the lower branch. Its own
 module because it is a rule of the data (the lane's `mix` counters in a checkpoint are its state)
 rather than of how the engine fetches windows.
+
+A weight schedule (`Mix(schedule=...)`, a curriculum) changes the weights at given steps; at each
+such step the lane's counters start from zero, so the lane follows the new weights from there as
+closely as from step 0. The counters in a checkpoint are therefore those since the last change.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,13 +32,19 @@ Peek = Callable[[int, int], list[tuple[Window, int]]]
 class TokenSchedule:
     """A lane's deficit schedule over the branches of a token mix."""
 
-    inv_weights: np.ndarray  # 1 / normalised weight (inf for a weight of 0: never chosen)
+    starts: tuple[int, ...]  # the step each set of weights applies from: 0, then the schedule's
+    inv_weights: tuple[np.ndarray, ...]  # 1 / normalised weight (inf for 0: never chosen), per set
     count_field: str
 
     @staticmethod
     def of(mix: Mix) -> TokenSchedule:
-        w = mix.normalized
-        return TokenSchedule(np.where(w > 0, 1.0 / np.where(w > 0, w, 1.0), np.inf), mix.count_field)
+        stretches = mix.weights_from()
+        inv = tuple(np.where(w > 0, 1.0 / np.where(w > 0, w, 1.0), np.inf) for _, w in stretches)
+        return TokenSchedule(tuple(s for s, _ in stretches), inv, mix.count_field)
+
+    def restarts(self, step: int) -> bool:
+        """Whether the weights change at `step` (the lanes' counters start from zero there)."""
+        return step in self.starts[1:]
 
     def count(self, cols: Columns, r: int) -> int:
         """What the mix counts for row r: the length of its `count_field` column."""
@@ -44,10 +55,11 @@ class TokenSchedule:
                             "tokenize before the mix or set Mix(count_field=...).")
         return len(v[r])
 
-    def candidates(self, peek: Peek, count: int, mix: Sequence[int]
+    def candidates(self, peek: Peek, count: int, mix: Sequence[int], step: int
                    ) -> tuple[list[tuple[Window, int]], list[int]]:
-        """The lane's next `count` inputs and their branches, from the lane's counters `mix`; fewer
-        when a branch's lane ran out (a finite mix ends there)."""
+        """The lane's next `count` inputs for `step` and their branches, from the lane's counters
+        `mix`; fewer when a branch's lane ran out (a finite mix ends there)."""
+        inv_weights = self.inv_weights[bisect.bisect_right(self.starts, step) - 1]
         counts = np.array(mix, np.float64)
         nb = len(counts)
         depth = [0] * nb
@@ -55,7 +67,7 @@ class TokenSchedule:
         rows: list[tuple[Window, int]] = []
         branches: list[int] = []
         while len(rows) < count:
-            b = int(np.argmin(counts * self.inv_weights))
+            b = int(np.argmin(counts * inv_weights))
             if depth[b] == len(peeked[b]):
                 peeked[b] = peek(b, depth[b] + max(4, count))
                 if depth[b] == len(peeked[b]):
