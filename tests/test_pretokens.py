@@ -9,6 +9,7 @@ serve exactly go to the tokenizer, and the tests check that the cache really ser
 import pickle
 import random
 import threading
+import unicodedata
 
 import numpy as np
 import pytest
@@ -64,11 +65,73 @@ def test_exact_on_corpus_and_adversarial_ascii(tok, texts):
 
 
 def test_texts_it_cannot_split_go_to_the_tokenizer(tok):
-    batch = ["plain text here", "café au lait", "ends with <eos>", "<pad> starts", "naïve",
-             "tab\tand\x85nel", "again plain", "\u3000wide space"]
+    unassigned = "\u0378"  # no character (yet) in Python's tables: the tokenizer's may differ
+    batch = ["plain text here", "ends with <eos>", "<pad> starts", f"odd {unassigned} one",
+             "again plain"]
     cache = PretokenCache(tok, 1 << 17)
     assert_same(cache.encode(batch), reference(tok, batch))
-    assert cache.served == 2  # only the two plain ASCII texts without an added token
+    assert cache.served == 2  # only the two texts without an added token or unknown code point
+
+
+UNICODE = pretokens.unicode_checked()
+SCRIPTS = ["café", "naïve", "Ünïcödé", "日本語のテキスト", "русский текст", "١٢٣ عربي", "Ⅻ ½ ²",
+           "\u3000wide", "nel\x85x", "nb\xa0sp", "emoji 🙂🚀", "’quotes” — dash", "\u2028sep",
+           "'s 'T ’ll", "  \u2003 x", "ǅ ʰ ゝ 〇", "\u0301combining", "१२३ देवनागरी"]
+
+
+def multilingual(n, seed):
+    rng = random.Random(seed)
+    return ["".join(rng.choice(SCRIPTS + TRICKY) for _ in range(rng.randrange(1, 30))) for _ in range(n)]
+
+
+@pytest.mark.skipif(not UNICODE, reason="Unicode tables unchecked for these versions (ASCII only)")
+def test_non_ascii_text_is_served_exactly(texts):
+    # trained on the same scripts, so the BPE merges across their bytes: a wrong split would
+    # change the ids (with an English-only BPE every split of them gives the same byte tokens)
+    tok = train_bpe(texts[:100] + multilingual(400, 4), vocab_size=1200)
+    batch = multilingual(1500, 5)
+    cache = PretokenCache(tok, 1 << 17)
+    assert_same(cache.encode(batch), reference(tok, batch))
+    assert cache.served == len(batch)
+
+
+def _byte_chars():
+    """GPT-2's byte -> printable character table (what ByteLevel's pieces are written in)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    return {b: chr(c) for b, c in zip(keep + extra, keep + [256 + i for i in range(len(extra))])}
+
+
+BYTE_CHARS = _byte_chars()
+
+
+def assert_splits_like_the_tokenizer(tok, codepoints):
+    """Each code point next to a letter, a digit, punctuation, spaces, itself and a contraction:
+    the pieces (not the ids, which an English BPE cannot tell apart here) must be the tokenizer's."""
+    pre = tok.pre_tokenizer
+    checked = 0
+    for c in map(chr, codepoints):
+        text = f"a{c}a 1{c}1 !{c}! {c}{c} x{c} {c}\t{c}'s{c} '{c}x x'{c}"
+        pieces = pretokens.split(text)
+        if pieces is None:  # unassigned in Python's tables, or a surrogate: left to the tokenizer
+            assert unicodedata.category(c) in ("Cn", "Cs"), f"U+{ord(c):04X}"
+            continue
+        ours = ["".join(BYTE_CHARS[b] for b in p.encode()) for p in pieces]
+        assert ours == [p for p, _ in pre.pre_tokenize_str(text)], f"U+{ord(c):04X}"
+        checked += 1
+    assert checked > len(codepoints) // 10
+
+
+@pytest.mark.skipif(not UNICODE, reason="Unicode tables unchecked for these versions (ASCII only)")
+def test_code_points_of_common_scripts_split_like_the_tokenizer(tok):
+    rng = random.Random(7)
+    assert_splits_like_the_tokenizer(tok, [*range(0x80, 0x3100), *rng.sample(range(0x3100, 0x110000), 20000)])
+
+
+@pytest.mark.slow
+def test_every_assigned_code_point_splits_like_the_tokenizer(tok):
+    """What `UNICODE_CHECKED` rests on: run it to add a (Unicode, tokenizers) pair there."""
+    assert_splits_like_the_tokenizer(tok, range(0x80, 0x110000))
 
 
 @pytest.mark.parametrize("capacity", [1, 7, 64])

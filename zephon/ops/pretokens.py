@@ -11,9 +11,11 @@ and gathers the ids with numpy.
 
 It is exact, never approximate: it serves only tokenizers whose ids are provably that
 concatenation (`ineligible` says why not: a normalizer, another pre-tokenizer, BPE dropout,
-truncation or padding set on the tokenizer) and only documents it can split exactly (ASCII text,
-where the regex's \\p{L}, \\p{N} and \\s are plain character sets; no added token's text inside).
-Every other document goes to `encode_batch` as before. The ids are the same either way, so the
+truncation or padding set on the tokenizer) and only documents it can split exactly: no added
+token's text inside, and either ASCII (where the regex's \\p{L}, \\p{N} and \\s are plain
+character sets) or, where the character tables were checked against the tokenizer's regex on
+every assigned code point (`UNICODE_CHECKED`), text without unassigned code points. Every other
+document goes to `encode_batch` as before. The ids are the same either way, so the
 cache is not part of the operator's identity. If a stream's pieces rarely repeat (the cache
 misses more than `MAX_MISS_RATE` of them after warming up), it hands everything to
 `encode_batch` from then on, where that is faster.
@@ -25,6 +27,7 @@ import json
 import logging
 import re
 import threading
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +40,13 @@ _WS = "\\t\\n\\x0b\\x0c\\r "
 #: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 SPLIT = re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+"
                    rf"|[{_WS}]+(?![^{_WS}])|[{_WS}]+")
+#: White_Space code points: the regex engine's \s (not Python's str.isspace, which adds \x1c-\x1f).
+WHITE_SPACE = frozenset((*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028,
+                         0x2029, 0x202F, 0x205F, 0x3000))
+#: (Python's Unicode tables, `tokenizers` major.minor) for which `split()` was checked to split
+#: exactly as the tokenizer on every assigned code point (the sweep in tests/test_pretokens.py).
+#: Elsewhere non-ASCII documents go to the tokenizer, which is exact whatever the versions.
+UNICODE_CHECKED = {("14.0.0", "0.23")}
 #: Above this fraction of pieces missed (after `WARMUP_PIECES`), the tokenizer alone is faster.
 MAX_MISS_RATE = 0.25
 WARMUP_PIECES = 1 << 16
@@ -59,6 +69,55 @@ def ineligible(tokenizer_json: str) -> str | None:
     return None
 
 
+class _Classes(dict[int, str]):
+    """Code point -> an ASCII character of the same class for the regex: a letter ('a', which is
+    in no contraction), a digit, whitespace other than the space ('\\t'), anything else ('!'),
+    or U+FFFF for a code point the tables cannot vouch for (unassigned here, or a surrogate).
+    Filled as characters are met."""
+
+    def __missing__(self, cp: int) -> str:
+        cat = unicodedata.category(chr(cp))
+        cls = ("a" if cat[0] == "L" else "0" if cat[0] == "N" else "\t" if cp in WHITE_SPACE
+               else "\uffff" if cat in ("Cn", "Cs") else "!")
+        self[cp] = cls
+        return cls
+
+
+_CLASSES = _Classes()
+_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+
+
+def _classify(m: re.Match[str]) -> str:
+    return m.group().translate(_CLASSES)
+
+
+def unicode_checked() -> bool:
+    """Whether non-ASCII text is split here (see `UNICODE_CHECKED`)."""
+    import tokenizers
+
+    return (unicodedata.unidata_version, tokenizers.__version__.rsplit(".", 1)[0]) in UNICODE_CHECKED
+
+
+def split(text: str, unicode: bool = True) -> list[str] | None:
+    """`text`'s pre-tokens as the tokenizer's regex splits it, or None if not vouched for.
+
+    Non-ASCII text (if `unicode`) is first mapped character for character to ASCII characters of
+    the same regex class, split with the ASCII regex, and cut at the same offsets.
+    """
+    if text.isascii():
+        return SPLIT.findall(text)
+    if not unicode:
+        return None
+    classes = _NON_ASCII.sub(_classify, text)
+    if not classes.isascii():
+        return None
+    out, at = [], 0
+    for piece in SPLIT.findall(classes):
+        out.append(text[at:at + len(piece)])
+        at += len(piece)
+    return out
+
+
 class PretokenCache:
     """Encodes texts as `encode_batch` would, from cached ids of their pre-tokens.
 
@@ -73,6 +132,7 @@ class PretokenCache:
         self._lock = threading.Lock()
         self._reset()
         self.pieces = self.misses = self.served = 0  # pieces looked up, missed; documents served
+        self.unicode = unicode_checked()
         self.active = True
 
     def _reset(self) -> None:
@@ -100,8 +160,15 @@ class PretokenCache:
         """int32 ids of each text, equal to the tokenizer's `encode_batch(texts)` ids."""
         if not self.active:
             return self._hf(texts)
-        mine = [i for i, t in enumerate(texts)
-                if t.isascii() and not any(a in t for a in self.added)]
+        mine: list[int] = []
+        pieces: list[str] = []
+        counts: list[int] = []
+        for i, t in enumerate(texts):
+            if any(a in t for a in self.added) or (p := split(t, self.unicode)) is None:
+                continue
+            mine.append(i)
+            pieces += p
+            counts.append(len(p))
         out: list[np.ndarray] = [None] * len(texts)  # type: ignore[list-item]
         if len(mine) < len(texts):
             rest = sorted(set(range(len(texts))).difference(mine))
@@ -110,13 +177,6 @@ class PretokenCache:
         if not mine:
             return out
         self.served += len(mine)
-        split = SPLIT.findall
-        pieces: list[str] = []
-        counts = np.empty(len(mine), np.int64)
-        for k, i in enumerate(mine):
-            p = split(texts[i])
-            pieces += p
-            counts[k] = len(p)
         index, ids, start, length = self._lookup(pieces)
         idx = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
         lens = length[idx]
