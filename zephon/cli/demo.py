@@ -115,7 +115,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def lm_demo(tmp: str, steps: int) -> bool:
     """Two generated corpora (prose, code) as JSONL, a BPE trained here, mixed 70/30 by tokens
-    inside every lane, tokenized online and packed into rows of 256 tokens."""
+    inside every lane (30/70 from half-way: a curriculum), tokenized online and packed into rows
+    of 256 tokens; and the pre-token cache's batches equal the tokenizer's own."""
     from zephon.ops.pack import Pack
     from zephon.ops.tokenize import Tokenize
     from zephon.plan import Mix
@@ -127,18 +128,25 @@ def lm_demo(tmp: str, steps: int) -> bool:
     write_jsonl(Path(tmp) / "code.jsonl", code)
     tok = train_bpe(prose[:200] + code[:150], vocab_size=2000)
     srcs = [JsonlSource(str(Path(tmp) / "prose.jsonl")), JsonlSource(str(Path(tmp) / "code.jsonl"))]
+    change = max(1, steps // 2)
     plan = Mix([Source(len(prose), id=0, name="prose").shuffle(1).repeat(),
                 Source(len(code), id=1, name="code").shuffle(2).repeat()], [0.7, 0.3],
-               by="tokens").lanes(8).batch(16)
+               by="tokens", schedule=((change, (0.3, 0.7)),)).lanes(8).batch(16)
     ops = (Tokenize(tok, eos=EOS_ID), Pack(256, "concat"))
     first = next(Loader(plan, srcs, ops))
     pad = float((first.data["segment_ids"] == 0).mean())
     assert first.segments is not None  # packed rows carry their document pieces
-    print(f"\nLM pretraining: 2 JSONL corpora mixed 0.7/0.3 by tokens in every lane, BPE "
-          f"tokenized online, packed to 16 x 256 (padding {pad:.1%}); row 0 holds "
-          f"{len(first.segments[0])} document pieces, e.g. {first.explain()[0]['segments'][0]}")
-    return print_table("3) tokenize + token-weighted mix + concat packing",
-                       matrix(plan, srcs, steps, ops, tmp))
+    print(f"\nLM pretraining: 2 JSONL corpora mixed 0.7/0.3 by tokens in every lane (0.3/0.7 from "
+          f"step {change}), BPE tokenized online, packed to 16 x 256 (padding {pad:.1%}); row 0 "
+          f"holds {len(first.segments[0])} document pieces, e.g. {first.explain()[0]['segments'][0]}")
+    ok = print_table("3) tokenize + token-weighted mix with a curriculum + concat packing",
+                     matrix(plan, srcs, steps, ops, tmp))
+    cached = run_fingerprints([Loader(plan, srcs, ops)], steps)
+    plain = run_fingerprints([Loader(plan, srcs, (Tokenize(tok, eos=EOS_ID, cache=0), ops[1]))], steps)
+    same = cached == plain
+    print(f"Tokenize's pre-token cache: {steps} packed batches {'identical to' if same else 'DIFFERENT from'} "
+          "those tokenized by the tokenizer's own encode_batch (cache=0).")
+    return ok and same
 
 
 
