@@ -144,15 +144,25 @@ def test_small_capacity_starts_over_and_stays_exact(tok, texts, capacity):
         assert len(cache._index) <= max(capacity, unique)
 
 
-def test_steps_aside_when_pieces_do_not_repeat(tok, monkeypatch):
-    monkeypatch.setattr(pretokens, "WARMUP_PIECES", 100)
+def test_steps_aside_when_pieces_do_not_repeat(tok, texts, monkeypatch):
+    monkeypatch.setattr(pretokens, "WARMUP_PIECES", 2000)
     rng = random.Random(1)
-    batch = [" ".join("".join(rng.choice("qxzjkvw") for _ in range(9)) for _ in range(30))
-             for _ in range(20)]
+
+    def unique_words(n):
+        return [" ".join("".join(rng.choice("qxzjkvw") for _ in range(9)) for _ in range(30))
+                for _ in range(n)]
+
+    repeating = PretokenCache(tok, 1 << 17)  # prose repeats its words: it keeps serving
+    for i in range(0, 300, 20):
+        assert_same(repeating.encode(texts[i:i + 20]), reference(tok, texts[i:i + 20]))
+    assert repeating.active and repeating.warm_pieces >= 1000 and repeating.served == 300
     cache = PretokenCache(tok, 1 << 17)
-    assert_same(cache.encode(batch), reference(tok, batch))
+    for _ in range(4):  # 600 new pieces a call: the first 1000 fill it, the next 1000 judge it
+        batch = unique_words(20)
+        assert_same(cache.encode(batch), reference(tok, batch))
     assert not cache.active
     served = cache.served
+    batch = unique_words(20)
     assert_same(cache.encode(batch), reference(tok, batch))
     assert cache.served == served
 
