@@ -199,8 +199,9 @@ def test_tokenize_uses_it_only_when_exact(tok, texts):
         assert_same(op.encode(texts[:50]), reference(t, texts[:50]))
         assert (op._pretokens() is not None) == served
     assert Tokenize(tok, cache=0)._pretokens() is None
-    with pytest.raises(ValueError, match="cache"):
-        Tokenize(tok, cache=-1)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="cache"):
+            Tokenize(tok, cache=bad)
 
 
 def test_pickled_without_its_contents(tok, texts):

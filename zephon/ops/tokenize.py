@@ -1,9 +1,10 @@
 """Online tokenization as a row operator: text in, int32 token ids out, batched.
 
-A read window's texts are encoded with one `Tokenizer.encode_batch` call (HF `tokenizers`, Rust,
-parallel), so tokenizing runs at the tokenizer's own speed and on whichever runner computes the
-window. The tokenizer is part of the operator's identity (a hash of its JSON), so a checkpoint
-taken with one tokenizer is refused under another.
+A read window's texts are encoded together, on whichever runner computes the window: through the
+exact pre-token cache (`zephon.ops.pretokens`: each distinct piece of text goes to the tokenizer
+once) where the tokenizer allows it, else with one `Tokenizer.encode_batch` call (HF
+`tokenizers`, Rust). The ids are the same either way. The tokenizer is part of the operator's
+identity (a hash of its JSON), so a checkpoint taken with one tokenizer is refused under another.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Tokenize(Transform):
             raise PlanError(f"Tokenize.overflow must be 'split' or 'truncate', got {self.overflow!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise PlanError(f"Tokenize.max_tokens must be a positive integer or None, got {self.max_tokens!r}")
-        if not isinstance(self.cache, int) or self.cache < 0:
+        if isinstance(self.cache, bool) or not isinstance(self.cache, int) or self.cache < 0:
             raise PlanError(f"Tokenize.cache must be a number of pieces >= 0 (0: off), got {self.cache!r}")
         object.__setattr__(self, "_cache", None)
         if callable(self.tokenizer) and not hasattr(self.tokenizer, "encode_batch"):
