@@ -164,17 +164,18 @@ class PretokenCache:
         if not self.active:
             return self._hf(texts)
         mine: list[int] = []
+        rest: list[int] = []  # documents for the tokenizer itself
         pieces: list[str] = []
         counts: list[int] = []
         for i, t in enumerate(texts):
             if any(a in t for a in self.added) or (p := split(t, self.unicode)) is None:
+                rest.append(i)
                 continue
             mine.append(i)
             pieces += p
             counts.append(len(p))
         out: list[np.ndarray] = [None] * len(texts)  # type: ignore[list-item]
-        if len(mine) < len(texts):
-            rest = sorted(set(range(len(texts))).difference(mine))
+        if rest:
             for i, ids in zip(rest, self._hf([texts[i] for i in rest])):
                 out[i] = ids
         if not mine:
