@@ -28,12 +28,17 @@ def plan(schedule=SCHEDULE, weights=(0.9, 0.1), lanes=4, batch=8):
                weights, by="tokens", schedule=schedule).lanes(lanes).batch(batch)
 
 
-def loader(corpora, p=None, **kw):
+def pipeline(corpora):
+    """(sources, transforms, per-source pipelines) of the mixed, packed LM pipeline."""
     prose, code, tok = corpora
-    return Loader(p or plan(), [ArraySource({"text": objects(prose)}), ArraySource({"body": objects(code)})],
-                  [Pack(64)], per_source={0: [Tokenize(tok, eos=EOS_ID, max_tokens=LONGEST)],
-                                          1: [Tokenize(tok, field="body", eos=EOS_ID, max_tokens=LONGEST)]},
-                  **kw)
+    return ([ArraySource({"text": objects(prose)}), ArraySource({"body": objects(code)})], [Pack(64)],
+            {0: [Tokenize(tok, eos=EOS_ID, max_tokens=LONGEST)],
+             1: [Tokenize(tok, field="body", eos=EOS_ID, max_tokens=LONGEST)]})
+
+
+def loader(corpora, p=None, **kw):
+    sources, transforms, per_source = pipeline(corpora)
+    return Loader(p or plan(), sources, transforms, per_source=per_source, **kw)
 
 
 def weights_at(step):
@@ -127,13 +132,10 @@ def test_torch_dataloader_workers_follow_the_schedule_and_resume(corpora):
     """DataLoader workers split the lanes; each worker's lanes must change weights at the same
     step as the core loader's, also when resumed from a state_dict taken past the change."""
     tb = pytest.importorskip("zephon.backends.torch")
-    prose, code, tok = corpora
-    sources = [ArraySource({"text": objects(prose)}), ArraySource({"body": objects(code)})]
-    per_source = {0: [Tokenize(tok, eos=EOS_ID, max_tokens=LONGEST)],
-                  1: [Tokenize(tok, field="body", eos=EOS_ID, max_tokens=LONGEST)]}
+    sources, transforms, per_source = pipeline(corpora)
 
     def dataset():
-        return tb.ZephonIterableDataset(plan(), sources, [Pack(64)], per_source=per_source)
+        return tb.ZephonIterableDataset(plan(), sources, transforms, per_source=per_source)
 
     core = loader(corpora)
     want = [next(core).data["tokens"] for _ in range(20)]
