@@ -8,7 +8,10 @@ def test_demo_proves_elastic_determinism(capsys):
     assert main(["demo", "--records", "3000", "--steps", "12"]) == 0
     out = capsys.readouterr().out
     assert "PROVED" in out and "NO (" not in out
-    assert out.count(" yes") == 18  # 6 configurations x 3 pipelines (the third tokenizes, mixes, packs)
+    # 6 configurations x 3 pipelines (the third tokenizes, mixes, packs), plus the third's run
+    # with Tokenize's pre-token cache off
+    assert out.count(" yes") == 19
+    assert "Tokenize pre-token cache off" in out
 
 
 def test_explain_prints_rows_of_a_plan_file(tmp_path, capsys):
