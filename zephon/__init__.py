@@ -10,8 +10,6 @@ import that finds the other one installed says so once.
 
 from zephon._distribution import warn_if_shadowed
 
-warn_if_shadowed()
-
 from zephon.checkpoint import load_state, save_state
 from zephon.errors import DecodeError, PlanError, SourceError, StateError, WorkerError, ZephonError
 from zephon.exec.loader import Loader, LocalBatch, merge_states
@@ -28,3 +26,5 @@ __all__ = [
     "Transform", "WorkerError", "ZephonError", "load_state", "merge_states", "save_state",
 ]
 __version__ = "0.3.0"
+
+warn_if_shadowed()
