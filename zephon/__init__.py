@@ -9,7 +9,6 @@ import that finds the other one installed says so once.
 """
 
 from zephon._distribution import warn_if_shadowed
-
 from zephon.checkpoint import load_state, save_state
 from zephon.errors import DecodeError, PlanError, SourceError, StateError, WorkerError, ZephonError
 from zephon.exec.loader import Loader, LocalBatch, merge_states
