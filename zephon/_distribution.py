@@ -31,7 +31,7 @@ def warn_if_shadowed() -> None:
         return
     # Before 0.3.0 this project was itself distributed as `zephon`; its own old metadata is not
     # the other project.
-    if _OURS in (other.metadata.get("Summary") or ""):
+    if _OURS in (other.metadata["Summary"] or ""):
         return
     warnings.warn(
         f"another project named 'zephon' ({other.version}) is installed in this environment and "
