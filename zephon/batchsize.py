@@ -115,6 +115,16 @@ class BatchSizes:
         """`(first step, global size)` of every stretch, from step 0."""
         return [(0, self.first)] + list(self.changes)
 
+    def stretch_end(self, step: int) -> int | None:
+        """The first step after `step` with another size (None: the size stays from `step` on)."""
+        later = [k for k, _ in self.changes if k > step]
+        return later[0] if later else None
+
+    @property
+    def largest(self) -> int:
+        """The largest global batch size of the schedule."""
+        return max(b for _, b in self.stretches())
+
     def _where(self, steps: np.ndarray) -> np.ndarray:
         return np.searchsorted(self._table[0], steps, side="right") - 1
 
