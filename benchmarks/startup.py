@@ -97,12 +97,12 @@ def run_case(case: str, root: Path, shards: int) -> dict:
     system, fmt = case.split(" ")
     files = paths(root, shards, fmt)
     if system == "zephon":
+        # the readers' libraries are imported before the clock starts, as `import grain` does
+        import pyarrow.parquet  # noqa: F401
+        from array_record.python import array_record_module  # noqa: F401
+
         from zephon import Loader, Source
         from zephon.sources import ArrayRecordSource, FixedFields, JsonlSource, ParquetSource
-
-        # the readers' libraries are imported before the clock starts, as `import grain` does
-        from array_record.python import array_record_module  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
 
         fds0 = open_fds()
         t0 = time.perf_counter()
@@ -138,7 +138,8 @@ def run_case(case: str, root: Path, shards: int) -> dict:
 
 def measure(case: str, root: Path, shards: int, per_shard: int) -> dict:
     out = subprocess.run([sys.executable, __file__, "--case", case, "--data-dir", str(root.parent),
-                          "--shards", str(shards), "--per-shard", str(per_shard)], capture_output=True, text=True, timeout=900)
+                          "--shards", str(shards), "--per-shard", str(per_shard)],
+                         capture_output=True, text=True, timeout=900)
     if out.returncode:
         raise SystemExit(f"{case} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -7,6 +7,10 @@ works through one chunk in order, and the results come back in file order. The r
 (ArrayRecord's C++, pyarrow, numpy scans) release the GIL for their I/O, so threads overlap the
 waits even on few cores. An error is raised for the first failing file in file order, so the
 message does not depend on thread timing.
+
+The work always runs on pool threads, never in the caller's: ArrayRecord readers opened and
+closed in the main thread made a child forked later hang in its first parallel read (about one
+run in four of tests/test_sources.py's fork test); opened on a pool thread, as before, they do not.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ T = TypeVar("T")
 
 #: Threads for start-up work: I/O waits overlap, CPU work is bounded by the cores anyway.
 MAX_THREADS = 8
-#: Below this many files one thread does it all (a pool costs more than it saves).
+#: Files per thread at least (below, fewer threads: a thread costs more than it saves).
 MIN_FILES_PER_THREAD = 32
 
 
@@ -29,8 +33,6 @@ def map_files(fn: Callable[[str], T], paths: Sequence[str], threads: int | None 
     if threads is None:
         threads = min(MAX_THREADS, 2 * (os.cpu_count() or 1))
     threads = max(1, min(threads, len(paths) // MIN_FILES_PER_THREAD))
-    if threads == 1:
-        return [fn(p) for p in paths]
     bounds = [len(paths) * k // threads for k in range(threads + 1)]
 
     def chunk(k: int) -> list[T]:
