@@ -76,3 +76,13 @@ dist: $(STAMP)
 # The docs site (MkDocs, Material theme, API reference from the docstrings), warnings as errors.
 docs: $(STAMP) typecheck-tree
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
+.PHONY: compare
+# Zephon beside Grain, torchdata, Mosaic Streaming and HF datasets (benchmarks/compare.py): elastic
+# determinism at D = 1, 2, 4 and throughput, in its own venv (build/compare-venv): Streaming needs
+# torchvision, whose only build that imports here is torch 2.14.1 + torchvision 0.29.1 (~5.5 GB).
+compare: $(STAMP)
+	test -x build/compare-venv/bin/python || $(PYTHON) -m venv build/compare-venv
+	build/compare-venv/bin/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1 mosaicml-streaming \
+		datasets torchdata matplotlib -e '.[grain]'
+	build/compare-venv/bin/python benchmarks/compare.py
