@@ -302,7 +302,7 @@ def plot(results: dict[str, Any], args: argparse.Namespace, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results)
-    short = [n.split(" (")[0] for n in names]
+    short = [n.split(" (")[0] + ("\n" + n.split("(")[1].split(",")[0] if n.startswith("Grain") else "") for n in names]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     x = np.arange(len(names))
     for i, d in enumerate((2, 4)):
