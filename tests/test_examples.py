@@ -13,6 +13,7 @@
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,7 @@ def test_torch_train_example(tmp_path):
     out = run("examples/torch_train.py", "--steps", "6", "--out", str(tmp_path))
     assert "equals A bit for bit: True" in out, out
     assert "saw A's global batches at every step: True" in out, out
+    assert re.search(r"A: the training loop \(rank 0\) waited for data \d+\.\d% of its time", out), out
 
 
 @pytest.mark.slow

@@ -62,7 +62,9 @@ class ZephonIterableDataset(IterableDataset):
     DataLoader cannot join them, so it gets such a pipeline with `num_workers <= 1` only.
 
     Keep `in_order=True` (the default) with workers. A `runner` runs inside whichever process
-    iterates; other keyword arguments go to `zephon.Loader`.
+    iterates; other keyword arguments go to `zephon.Loader`. With `telemetry=True` (the
+    default) every batch carries its loader's stage times (`TorchBatch.telemetry`), which
+    `ZephonDataLoader.stats()` sums over its workers.
     """
 
     def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Operator] = (), *,
@@ -70,6 +72,7 @@ class ZephonIterableDataset(IterableDataset):
                  group: dist.ProcessGroup | None = None, runner: Runner | None = None, start_step: int = 0,
                  dtypes: Mapping[str, Any] | None = None, **loader_options: Any) -> None:
         self.plan, self.sources, self.transforms = plan, sources, tuple(transforms)
+        self.telemetry = bool(loader_options.pop("telemetry", True))  # per-process recorders
         self.loader_options = loader_options
         self.seed, self.runner = int(seed), runner
         self.rank, self.world = data_parallel(rank, world, group)
@@ -86,7 +89,17 @@ class ZephonIterableDataset(IterableDataset):
         """A loader at `start_step`; only iterating ones get the runner (closing a loader closes it)."""
         return Loader(self.plan, self.sources, self.transforms, seed=self.seed,
                       rank=self.rank if rank is None else rank, world=self.world if world is None else world,
-                      runner=runner, start_step=start_step, **self.loader_options)
+                      runner=runner, start_step=start_step, telemetry=self.telemetry,
+                      **self.loader_options)
+
+    def _emit(self, loader: Loader, batch: Any, worker: int) -> Any:
+        """The batch as tensors; with telemetry, timed and carrying this process's stage times."""
+        tel = loader.telemetry
+        if tel is None:
+            return self.emitter(batch)
+        out = tel.timed("emit", self.emitter, batch)
+        out.telemetry = (worker, *tel.snapshot())
+        return out
 
     def _main_loader(self) -> Loader:
         if self._main is None:
@@ -184,7 +197,7 @@ class ZephonIterableDataset(IterableDataset):
             if info is None:
                 self._live = loader
             for batch in loader:
-                yield self.emitter(batch)
+                yield self._emit(loader, batch, worker)
             return
         if not self.one_to_one:
             raise PlanError(f"this pipeline changes the number of records, so its lanes advance "
@@ -192,7 +205,7 @@ class ZephonIterableDataset(IterableDataset):
                             "use ZephonDataLoader (its workers split the lanes and it joins their "
                             "rows), or num_workers=0 or 1.")
         for batch in loader.strided(loader.step + worker, workers):
-            yield self.emitter(batch)
+            yield self._emit(loader, batch, worker)
 
     def _iter_parts(self, worker: int, workers: int) -> Iterator[WorkerPart]:
         rank, world = self.worker_rank(worker, workers)
@@ -201,5 +214,5 @@ class ZephonIterableDataset(IterableDataset):
         lanes = [int(l) for l in loader.owned]
         for batch in loader:
             # a copy: the part is pickled later, by the queue's feeder thread
-            yield WorkerPart(batch.step, worker, lanes, self.emitter(batch),
+            yield WorkerPart(batch.step, worker, lanes, self._emit(loader, batch, worker),
                              copy.deepcopy(loader.position()))

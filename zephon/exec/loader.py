@@ -13,6 +13,7 @@ What it yields, `LocalBatch` (with `micro_batches(n)`), is defined in `zephon.ex
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,9 @@ from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transf
 from zephon.ops.mix import PerSource
 from zephon.plan import Batch, Mix, Refs, plan_diff
 from zephon.sources.base import Columns, RecordSource
+from zephon.telemetry import Stats, Telemetry
+from zephon.telemetry import make as telemetry_recorder
+from zephon.telemetry import require as require_telemetry
 
 if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
     from zephon.runners.base import Runner
@@ -69,13 +73,15 @@ class Loader:
         split a rank's lanes; `position()`/`state()` then cover just them (merge them).
       micro_batches: the micro-batch count the training loop will cut every batch into; checked
         here, against every batch size of the plan's schedule, instead of at the step it fails.
+      telemetry: True (default), False, or a `zephon.Telemetry(log_every=..., progress=...)`:
+        what `stats()` reports (stall, stage times, throughput). Never changes the data.
     """
 
     def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
                  transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
                  seed: int = 0, rank: int = 0, world: int = 1, runner: Runner | None = None, start_step: int = 0,
                  read_ahead: int | None = None, lanes: Sequence[int] | None = None,
-                 micro_batches: int | None = None) -> None:
+                 micro_batches: int | None = None, telemetry: bool | Telemetry = True) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         self.plan = plan
@@ -121,6 +127,12 @@ class Loader:
         self._engine: LaneEngine | None = None
         self._step = 0
         self._lane_states: list[LaneState] = []
+        n = plan.num_steps
+        self._tel = telemetry_recorder(telemetry, None if n is None or not isinstance(start_step, int)
+                                       else max(0, n - start_step))
+        if self._tel is not None:
+            self._tel.workers = int(getattr(runner, "workers", 1))
+        self._waited = 0.0  # seconds __next__ waited for group/window results (telemetry)
         if self.random_access:
             self.seek(start_step)
         else:
@@ -166,12 +178,44 @@ class Loader:
         return self.plan.sizes.steps_within(n - self._shift)
 
     def __next__(self) -> LocalBatch:
+        tel = self._tel
+        if tel is None:
+            return self._next_batch()
+        t0, waited = tel.begin(), self._waited
+        try:
+            batch = self._next_batch()
+        except StopIteration:
+            tel.end(t0, None)
+            raise
+        tel.add("assembly", max(0.0, time.perf_counter() - t0 - (self._waited - waited)))
+        tel.end(t0, batch.data, batch.rows)
+        return batch
+
+    def _sink(self, result: Any, waited: float) -> None:
+        """Telemetry: a group's or window's stage times, and how long __next__ waited for it."""
+        assert self._tel is not None
+        self._tel.add("read", result.read_s, result.nbytes)
+        self._tel.add("ops", result.ops_s)
+        self._waited += waited
+
+    def stats(self) -> Stats:
+        """Telemetry so far: stall, stage times, rows/tokens/bytes (see `zephon.telemetry`)."""
+        return require_telemetry(self._tel, "this Loader").stats()
+
+    @property
+    def telemetry(self) -> Telemetry | None:
+        """The recorder behind `stats()` (None when built with telemetry=False)."""
+        return self._tel
+
+    def _next_batch(self) -> LocalBatch:
+        sink = self._sink if self._tel is not None else None
         if self.random_access:
             n = self.num_steps
             if n is not None and self._step >= n:
                 raise StopIteration
             if self._pending is None:
-                self._pending = iterate_steps(self._task, self.runner, self._step, self.read_ahead)
+                self._pending = iterate_steps(self._task, self.runner, self._step, self.read_ahead,
+                                              sink=sink)
             try:
                 cols, refs = next(self._pending)
             except BaseException:
@@ -182,6 +226,7 @@ class Loader:
             if self._engine is None:
                 self._engine = LaneEngine(self.plan, self.sources, self.pipeline, self.owned, self.seed,
                                           self.runner, self.read_ahead, self._lane_states, self._step)
+                self._engine.sink = sink
             try:
                 cols, prov = self._engine.next()
             except BaseException:
@@ -217,7 +262,9 @@ class Loader:
         n = self.num_steps
         if n is not None and start >= n:
             return
-        for k, (cols, refs) in enumerate(iterate_steps(self._task, self.runner, start, self.read_ahead, stride)):
+        sink = self._sink if self._tel is not None else None
+        for k, (cols, refs) in enumerate(iterate_steps(self._task, self.runner, start, self.read_ahead, stride,
+                                                       sink=sink)):
             yield self._batch(start + k * stride, cols, refs)
 
     def batch(self, step: int) -> LocalBatch:
@@ -229,6 +276,8 @@ class Loader:
     def close(self) -> None:
         """Stops prefetching and closes the runner (its workers and shared memory)."""
         self._stop_pending()
+        if self._tel is not None:
+            self._tel.close()
         closer = getattr(self.runner, "close", None)
         if closer is not None:
             closer()
