@@ -294,18 +294,47 @@ class Telemetry:
                      self.first_batch_s, stages, workers)
 
 
-def make(option: bool | Telemetry | None, total: int | None = None) -> Telemetry | None:
+def make(option: bool | Telemetry | None, total: int | None = None, workers: int = 1) -> Telemetry | None:
     """An emitter's recorder from its `telemetry=` argument: True (default) -> a new one,
     False/None -> none, a `Telemetry` -> that one (its `total` filled in when unset)."""
     if option is None or option is False:
         return None
     if option is True:
-        return Telemetry(total=total)
+        option = Telemetry(total=total)
     if isinstance(option, Telemetry):
         if option.total is None:
             option.total = total
+        option.workers = int(workers)
         return option
     raise TypeError(f"telemetry must be True, False or a zephon.Telemetry, got {type(option).__name__}")
+
+
+class StageSink:
+    """A Loader's link to its recorder. Group reads and lane windows report their read and
+    row-operator seconds and bytes here (`sink(result, waited)`, from the consumer's thread);
+    `step` times one `next()` and counts as assembly the part of it that did not wait for them.
+    """
+
+    def __init__(self, tel: Telemetry) -> None:
+        self.tel = tel
+        self.waited = 0.0
+
+    def __call__(self, result: Any, waited: float) -> None:
+        self.tel.add("read", result.read_s, result.nbytes)
+        self.tel.add("ops", result.ops_s)
+        self.waited += waited
+
+    def step(self, produce: Callable[[], Any]) -> Any:
+        tel = self.tel
+        t0, waited = tel.begin(), self.waited
+        try:
+            batch = produce()
+        except StopIteration:
+            tel.end(t0, None)
+            raise
+        tel.add("assembly", max(0.0, time.perf_counter() - t0 - (self.waited - waited)))
+        tel.end(t0, batch.data, batch.rows)
+        return batch
 
 
 def require(tel: Telemetry | None, what: str) -> Telemetry:

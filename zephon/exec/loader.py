@@ -13,7 +13,6 @@ What it yields, `LocalBatch` (with `micro_batches(n)`), is defined in `zephon.ex
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +30,7 @@ from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transf
 from zephon.ops.mix import PerSource
 from zephon.plan import Batch, Mix, Refs, plan_diff
 from zephon.sources.base import Columns, RecordSource
-from zephon.telemetry import Stats, Telemetry
+from zephon.telemetry import StageSink, Stats, Telemetry
 from zephon.telemetry import make as telemetry_recorder
 from zephon.telemetry import require as require_telemetry
 
@@ -129,10 +128,8 @@ class Loader:
         self._lane_states: list[LaneState] = []
         n = plan.num_steps
         self._tel = telemetry_recorder(telemetry, None if n is None or not isinstance(start_step, int)
-                                       else max(0, n - start_step))
-        if self._tel is not None:
-            self._tel.workers = int(getattr(runner, "workers", 1))
-        self._waited = 0.0  # seconds __next__ waited for group/window results (telemetry)
+                                       else max(0, n - start_step), getattr(runner, "workers", 1))
+        self._sink = StageSink(self._tel) if self._tel is not None else None
         if self.random_access:
             self.seek(start_step)
         else:
@@ -178,25 +175,7 @@ class Loader:
         return self.plan.sizes.steps_within(n - self._shift)
 
     def __next__(self) -> LocalBatch:
-        tel = self._tel
-        if tel is None:
-            return self._next_batch()
-        t0, waited = tel.begin(), self._waited
-        try:
-            batch = self._next_batch()
-        except StopIteration:
-            tel.end(t0, None)
-            raise
-        tel.add("assembly", max(0.0, time.perf_counter() - t0 - (self._waited - waited)))
-        tel.end(t0, batch.data, batch.rows)
-        return batch
-
-    def _sink(self, result: Any, waited: float) -> None:
-        """Telemetry: a group's or window's stage times, and how long __next__ waited for it."""
-        assert self._tel is not None
-        self._tel.add("read", result.read_s, result.nbytes)
-        self._tel.add("ops", result.ops_s)
-        self._waited += waited
+        return self._next_batch() if self._sink is None else self._sink.step(self._next_batch)
 
     def stats(self) -> Stats:
         """Telemetry so far: stall, stage times, rows/tokens/bytes (see `zephon.telemetry`)."""
@@ -208,7 +187,7 @@ class Loader:
         return self._tel
 
     def _next_batch(self) -> LocalBatch:
-        sink = self._sink if self._tel is not None else None
+        sink = self._sink
         if self.random_access:
             n = self.num_steps
             if n is not None and self._step >= n:
@@ -262,7 +241,7 @@ class Loader:
         n = self.num_steps
         if n is not None and start >= n:
             return
-        sink = self._sink if self._tel is not None else None
+        sink = self._sink
         for k, (cols, refs) in enumerate(iterate_steps(self._task, self.runner, start, self.read_ahead, stride,
                                                        sink=sink)):
             yield self._batch(start + k * stride, cols, refs)
