@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import builtins
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -30,10 +30,11 @@ from .compile import GRAIN_INFINITE, Order, _Compiled, _Config, _Op, compile_pip
 from .iterator import CollatingLoader, Iterator
 from .packing import pack_step
 from .records import elements
+from .tail import TAIL_ONLY, Split, Tail, split
 from .transforms import has_accumulator
 
 _ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset", "batch", "seed",
-             "pack")
+             "pack", *TAIL_ONLY)
 
 _DEFAULT_CONFIG = _Config()  # frozen, so one shared default is safe
 
@@ -86,6 +87,10 @@ class Dataset:
         if schedule and by != "tokens":
             raise PlanError("mix(schedule=...) needs by='tokens': a mix by samples has one set of "
                             "weights (Grain's proportional interleave).")
+        if isinstance(datasets, Mapping) or (by == "samples" and not schedule and any(
+                isinstance(d, Dataset) and d._in_iter() for d in datasets)):
+            from .iterdata import iter_mix
+            return iter_mix(datasets, weights)  # Grain's IterDataset.mix
         datasets = list(datasets)
         if not datasets:
             raise PlanError("mix needs at least one dataset")
@@ -104,15 +109,12 @@ class Dataset:
         return Dataset(_Op(kind, (self._op,), args), self._config)
 
     def _check_open(self, kind: str) -> None:
-        if self._op.kind == "batch" and kind != "to_iter_dataset":
-            raise PlanError(f"cannot {kind} after batch: Zephon's plan ends in the global batch; "
-                            "apply the step before batch().")
         if self._in_iter() and kind not in _ITER_OPS:
             raise PlanError(f"{kind} is a MapDataset step and cannot follow to_iter_dataset() or a "
                             "packing step; move it before them (as in Grain).")
 
     def _in_iter(self) -> bool:
-        return any(o.kind in ("to_iter_dataset", "pack") for o in self._op.upstream())
+        return any(o.kind in ("to_iter_dataset", "pack", *TAIL_ONLY) for o in self._op.upstream())
 
     @property
     def packed(self) -> bool:
@@ -198,13 +200,12 @@ class Dataset:
 
     def batch(self, batch_size: int, *, drop_remainder: bool = False,
               batch_fn: Callable[[Sequence[Any]], Any] | None = None) -> Dataset:
-        """The global batch. Zephon emits full batches only (as with drop_remainder=True)."""
-        if batch_fn is not None:
-            raise PlanError("batch_fn is not supported: Zephon stacks records into columns itself; "
-                            "pad or pack records with map() before batch().")
+        """Grain's batch. The plan's global batch where it gives Grain's batches; a smaller last
+        batch (drop_remainder=False) or a `batch_fn` is assembled after the plan (`tail`)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise PlanError(f"batch_size must be a positive integer, got {batch_size!r}")
-        return self._then("batch", batch_size=int(batch_size), drop_remainder=bool(drop_remainder))
+        return self._then("batch", batch_size=int(batch_size), drop_remainder=bool(drop_remainder),
+                          batch_fn=batch_fn)
 
     def to_iter_dataset(self, read_options: Any = None, *, allow_nones: bool = False) -> Dataset:
         """Grain's switch to `IterDataset`; kept so pipelines read the same (Zephon needs no
@@ -212,7 +213,25 @@ class Dataset:
         if allow_nones:
             raise PlanError("to_iter_dataset(allow_nones=True) is not supported; Zephon never "
                             "emits filtered-out elements.")
-        return self._then("to_iter_dataset")
+        ds = self._then("to_iter_dataset")
+        if read_options is not None and self._config.runner is None and self._split.head is not None:
+            from .iterdata import options_runner  # Grain's read threads: a threads runner
+            runner = options_runner(ds, int(getattr(read_options, "num_threads", 0)), use_threads=True)
+            ds = ds.runner(runner)
+        return ds
+
+    def mp_prefetch(self, options: Any = None, worker_init_fn: Any = None) -> Dataset:
+        """Grain's multiprocess prefetch: `options.num_workers` Zephon workers run the plan's
+        steps (processes when the transforms pickle, else threads; the data is the same)."""
+        from .iterdata import options_runner
+        if worker_init_fn is not None:
+            raise PlanError("mp_prefetch(worker_init_fn=...) is not supported: Zephon's workers "
+                            "run only the pipeline's transforms; initialise state inside them.")
+        n = int((options or grain.MultiprocessingOptions()).num_workers)
+        if self._split.head is None:
+            return self
+        head = Dataset(self._split.head, self._config)
+        return self.runner(options_runner(head, n, use_threads=False))
 
     def apply(self, transformations: Any) -> Dataset:
         """Grain's `apply`: dispatches Map/RandomMap/Filter/MapWithIndex/Batch by type."""
@@ -260,13 +279,62 @@ class Dataset:
         return Dataset(self._op, replace(self._config, read_ahead=int(rows)))
 
     # --- the plan -------------------------------------------------------------------------------
+    @functools.cached_property
+    def _split(self) -> Split:
+        """The head the plan runs and the tail after it (`tail.split`)."""
+        return split(self._op, lambda op: Dataset(op, self._config)._compiled.stream.length,
+                     self.packed or self._token_mixed)
+
+    @functools.cached_property
+    def _tail(self) -> Tail | None:
+        sp = self._split
+        if not sp.tail:
+            return None
+        # the tail reads the head's elements in Grain's order: one lane (lanes only change
+        # speed and state layout, and an unbatched multi-lane stream ends at a whole step)
+        head = None if sp.head is None else Dataset(sp.head, replace(self._config, lanes=None,
+                                                                      rank=None, world=None))
+        def head_len() -> int:
+            assert head is not None  # a tail starting with a leaf is not random access
+            return len(head)
+
+        def head_item(i: int) -> Any:
+            assert head is not None
+            return head._item(i)
+
+        return Tail(sp.tail, head_len=head_len, head_item=head_item,
+                    head_iter=lambda: None if head is None else iter(head),
+                    head_is_map=head is not None and not head._in_iter(),
+                    leaf=lambda o: o.args["make"]())
+
+    @property
+    def _remainder_only(self) -> bool:
+        """The tail is just a batch with a smaller last batch: the plan still runs the full
+        global batches (for loaders, backends and shard(); Grain's last batch is iteration's)."""
+        t = [o for o in self._split.tail if o.kind != "to_iter_dataset"]
+        return (self._split.head is not None and len(t) == 1 and t[0].kind == "batch"
+                and t[0].args.get("batch_fn") is None)
+
+    def _no_tail(self, what: str) -> None:
+        if self._tail is not None and not self._remainder_only:
+            raise PlanError(f"{what} needs the pipeline to end in the plan's global batch, but its "
+                            f"last steps ({', '.join(o.kind for o in self._split.tail)}) run after "
+                            "the plan (a smaller last batch, batch_fn, steps after batch or a Grain "
+                            "iterator step). Iterate the dataset instead, or end it in "
+                            "batch(B, drop_remainder=True).")
+
     @property
     def batched(self) -> bool:
-        return any(o.kind == "batch" for o in self._op.upstream())
+        """Whether the plan ends in a global batch (the steps the plan runs include a batch)."""
+        head = self._op if self._remainder_only else self._split.head
+        return head is not None and any(o.kind == "batch" for o in head.upstream())
 
     @functools.cached_property
     def _compiled(self) -> _Compiled:
-        return compile_pipeline(self._op, self._config)
+        if self._split.head is None:
+            raise PlanError("this pipeline starts with a Grain iterator dataset (a mix of "
+                            "IterDatasets, interleave or a file iterator); it has no Zephon plan.")
+        return compile_pipeline(self._op if self._remainder_only else self._split.head, self._config)
 
     @property
     def plan(self) -> Batch:
@@ -283,6 +351,7 @@ class Dataset:
 
     def loader(self, *, rank: int | None = None, world: int | None = None, start_step: int = 0) -> Loader:
         """The Zephon `Loader` of rank `rank` (default: the dataset's `shard`)."""
+        self._no_tail("loader()")
         c = self._compiled
         cls = CollatingLoader if self.batched else Loader
         return cls(c.plan, c.sources, c.transforms, rank=rank if rank is not None else self._config.rank or 0,
@@ -290,6 +359,7 @@ class Dataset:
                    runner=self._config.runner, start_step=start_step, read_ahead=self._config.read_ahead)
 
     def _check_backend(self, what: str) -> _Compiled:
+        self._no_tail(what)
         c = self._compiled
         if not self.batched:
             raise PlanError(f"{what} emits global batches; add .batch(B) to the pipeline.")
@@ -332,28 +402,61 @@ class Dataset:
             kwargs.setdefault("world", self._config.world)
         return ZephonIterableDataset(c.plan, c.sources, c.transforms, runner=self._config.runner, **kwargs)
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Any:
+        if self._tail is not None:
+            if self._config.world is None:
+                return self._tail.iterator()
+            self._no_tail("shard()")  # a rank iterates its rows of the plan's full global batches
         return Iterator(self.loader(), batched=self.batched)
 
     def __len__(self) -> int:
+        if self._tail is not None:
+            return self._tail.length()
         if self.packed or self._token_mixed:
             raise TypeError("a packed or token-mixed pipeline has no length: how many rows it makes "
                             "depends on the documents' token counts (like Grain's IterDataset).")
-        n = self.plan.num_steps if self.batched else self._compiled.stream.length
-        return GRAIN_INFINITE if n is None else int(n)
+        n = self._compiled.stream.length
+        n = GRAIN_INFINITE if n is None else int(n)
+        if not self.batched:
+            return n
+        if self._compiled.plan.num_steps is not None and any(
+                o.kind == "filter" for o in self._op.upstream()):
+            return int(self._compiled.plan.num_steps)
+        batch = next(o for o in self._op.upstream() if o.kind == "batch")
+        bs = batch.args["batch_size"]
+        return n // bs if batch.args["drop_remainder"] else -(-n // bs)  # Grain's len
 
     def _item(self, index: int) -> Any:
+        if self._tail is not None:
+            return self._tail.item(index + len(self) if index < 0 else index)
         if self.packed or self._token_mixed:
             raise PlanError(f"ds[{index}]: a packed or token-mixed pipeline has no random access "
                             "(where a row starts depends on every document before it); iterate it.")
         if index < 0:
             index += len(self)
+        if index >= len(self):
+            return self._past_the_end(index)
         if self.batched:
             return Iterator.emit(self.loader().batch(index), batched=True)
         c = self._compiled
         refs = c.stream.resolve([index])
         cols, kept = run_transforms(row_ops(c.transforms), read_refs(c.sources, refs), refs, 0)
         return elements(cols)[0] if len(kept) else None
+
+    def _past_the_end(self, index: int) -> Any:
+        """Grain's MapDataset past its length: the next epoch (reshuffled, fresh random maps)."""
+        if self._op.kind == "batch":
+            parent = Dataset(self._op.parents[0], self._config)
+            return Tail((self._op,), head_len=lambda: len(parent), head_item=parent._item,
+                        head_iter=lambda: iter(parent), head_is_map=True, leaf=lambda o: None
+                        ).item(index)
+        if self._in_iter():
+            raise PlanError(f"ds[{index}]: an IterDataset has no random access (as in Grain).")
+        return Dataset(_Op("repeat", (self._op,), {"num_epochs": None}), self._config)._item(index)
+
+    def __repr__(self) -> str:
+        steps = [o.kind for o in self._op.upstream()][::-1]
+        return f"zephon.compat.grain.Dataset({' -> '.join(steps)})"
 
     def fingerprints(self, steps: int, *, world: int | None = None) -> list[str]:
         """Step fingerprints of the first `steps` global batches, computed by `world` ranks."""
@@ -364,3 +467,12 @@ class Dataset:
     def to_grain(self) -> Any:
         """The equivalent real `grain.MapDataset`/`IterDataset` (same ops, seeds and sources)."""
         return to_grain(self._op, {})
+
+
+class IterDataset(Dataset):
+    """`grain.IterDataset` spellings (`zg.IterDataset.mix(...)`); any `Dataset` is one."""
+
+    @classmethod
+    def mix(cls, datasets: Any, weights: Sequence[float] | None = None, **_: Any) -> Dataset:
+        from .iterdata import iter_mix
+        return iter_mix(datasets, weights)

@@ -18,7 +18,7 @@ import grain
 from zephon.errors import StateError
 from zephon.exec.loader import Loader, LocalBatch
 
-from .records import RECORD, RNG, collate, elements, unflatten_columns
+from .records import RECORD, RNG, collate, elements, grain_strings, unflatten_columns
 
 
 class CollatingLoader(Loader):
@@ -54,7 +54,7 @@ class Iterator(grain.DatasetIterator):
     @staticmethod
     def emit(batch: LocalBatch, *, batched: bool) -> Any:
         if batched:
-            return unflatten_columns(batch.data)
+            return unflatten_columns({k: grain_strings(v) for k, v in batch.data.items()})
         return elements(batch.data)
 
     def __next__(self) -> Any:
