@@ -49,9 +49,10 @@ from . import experimental
 from .cipher import index_shuffle
 from .compile import READ_AHEAD
 from .dataloader import DataLoader
-from .dataset import Dataset, IterDataset
+from .dataset import Dataset
 from .experimental import BestFitPackIterDataset, ConcatThenSplitIterDataset, FirstFitPackIterDataset
 from .iterator import CollatingLoader, Iterator, merge_states
+from .iterdata import IterDataset
 from .order import (
     GRAIN_INFINITE,
     ContiguousBatches,

@@ -29,8 +29,9 @@ from zephon.verify import run_fingerprints
 from .compile import GRAIN_INFINITE, Order, _Compiled, _Config, _Op, compile_pipeline, row_ops, to_grain
 from .iterator import CollatingLoader, Iterator
 from .packing import pack_step
+from .pipeline import TailMixin
 from .records import elements
-from .tail import TAIL_ONLY, Split, Tail, split
+from .tail import TAIL_ONLY
 from .transforms import has_accumulator
 
 _ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset", "batch", "seed",
@@ -39,7 +40,7 @@ _ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset",
 _DEFAULT_CONFIG = _Config()  # frozen, so one shared default is safe
 
 
-class Dataset:
+class Dataset(TailMixin):
     """A Grain-shaped pipeline (`MapDataset` spellings) that runs on Zephon.
 
     Build it exactly like a `grain.MapDataset`; `order="grain"` (default) reproduces Grain's
@@ -213,25 +214,7 @@ class Dataset:
         if allow_nones:
             raise PlanError("to_iter_dataset(allow_nones=True) is not supported; Zephon never "
                             "emits filtered-out elements.")
-        ds = self._then("to_iter_dataset")
-        if read_options is not None and self._config.runner is None and self._split.head is not None:
-            from .iterdata import options_runner  # Grain's read threads: a threads runner
-            runner = options_runner(ds, int(getattr(read_options, "num_threads", 0)), use_threads=True)
-            ds = ds.runner(runner)
-        return ds
-
-    def mp_prefetch(self, options: Any = None, worker_init_fn: Any = None) -> Dataset:
-        """Grain's multiprocess prefetch: `options.num_workers` Zephon workers run the plan's
-        steps (processes when the transforms pickle, else threads; the data is the same)."""
-        from .iterdata import options_runner
-        if worker_init_fn is not None:
-            raise PlanError("mp_prefetch(worker_init_fn=...) is not supported: Zephon's workers "
-                            "run only the pipeline's transforms; initialise state inside them.")
-        n = int((options or grain.MultiprocessingOptions()).num_workers)
-        if self._split.head is None:
-            return self
-        head = Dataset(self._split.head, self._config)
-        return self.runner(options_runner(head, n, use_threads=False))
+        return self._then("to_iter_dataset")._read_options(read_options)
 
     def apply(self, transformations: Any) -> Dataset:
         """Grain's `apply`: dispatches Map/RandomMap/Filter/MapWithIndex/Batch by type."""
@@ -279,50 +262,6 @@ class Dataset:
         return Dataset(self._op, replace(self._config, read_ahead=int(rows)))
 
     # --- the plan -------------------------------------------------------------------------------
-    @functools.cached_property
-    def _split(self) -> Split:
-        """The head the plan runs and the tail after it (`tail.split`)."""
-        return split(self._op, lambda op: Dataset(op, self._config)._compiled.stream.length,
-                     self.packed or self._token_mixed)
-
-    @functools.cached_property
-    def _tail(self) -> Tail | None:
-        sp = self._split
-        if not sp.tail:
-            return None
-        # the tail reads the head's elements in Grain's order: one lane (lanes only change
-        # speed and state layout, and an unbatched multi-lane stream ends at a whole step)
-        head = None if sp.head is None else Dataset(sp.head, replace(self._config, lanes=None,
-                                                                      rank=None, world=None))
-        def head_len() -> int:
-            assert head is not None  # a tail starting with a leaf is not random access
-            return len(head)
-
-        def head_item(i: int) -> Any:
-            assert head is not None
-            return head._item(i)
-
-        return Tail(sp.tail, head_len=head_len, head_item=head_item,
-                    head_iter=lambda: None if head is None else iter(head),
-                    head_is_map=head is not None and not head._in_iter(),
-                    leaf=lambda o: o.args["make"]())
-
-    @property
-    def _remainder_only(self) -> bool:
-        """The tail is just a batch with a smaller last batch: the plan still runs the full
-        global batches (for loaders, backends and shard(); Grain's last batch is iteration's)."""
-        t = [o for o in self._split.tail if o.kind != "to_iter_dataset"]
-        return (self._split.head is not None and len(t) == 1 and t[0].kind == "batch"
-                and t[0].args.get("batch_fn") is None)
-
-    def _no_tail(self, what: str) -> None:
-        if self._tail is not None and not self._remainder_only:
-            raise PlanError(f"{what} needs the pipeline to end in the plan's global batch, but its "
-                            f"last steps ({', '.join(o.kind for o in self._split.tail)}) run after "
-                            "the plan (a smaller last batch, batch_fn, steps after batch or a Grain "
-                            "iterator step). Iterate the dataset instead, or end it in "
-                            "batch(B, drop_remainder=True).")
-
     @property
     def batched(self) -> bool:
         """Whether the plan ends in a global batch (the steps the plan runs include a batch)."""
@@ -443,20 +382,8 @@ class Dataset:
         cols, kept = run_transforms(row_ops(c.transforms), read_refs(c.sources, refs), refs, 0)
         return elements(cols)[0] if len(kept) else None
 
-    def _past_the_end(self, index: int) -> Any:
-        """Grain's MapDataset past its length: the next epoch (reshuffled, fresh random maps)."""
-        if self._op.kind == "batch":
-            parent = Dataset(self._op.parents[0], self._config)
-            return Tail((self._op,), head_len=lambda: len(parent), head_item=parent._item,
-                        head_iter=lambda: iter(parent), head_is_map=True, leaf=lambda o: None
-                        ).item(index)
-        if self._in_iter():
-            raise PlanError(f"ds[{index}]: an IterDataset has no random access (as in Grain).")
-        return Dataset(_Op("repeat", (self._op,), {"num_epochs": None}), self._config)._item(index)
-
     def __repr__(self) -> str:
-        steps = [o.kind for o in self._op.upstream()][::-1]
-        return f"zephon.compat.grain.Dataset({' -> '.join(steps)})"
+        return f"zephon.compat.grain.Dataset({' -> '.join(o.kind for o in list(self._op.upstream())[::-1])})"
 
     def fingerprints(self, steps: int, *, world: int | None = None) -> list[str]:
         """Step fingerprints of the first `steps` global batches, computed by `world` ranks."""
@@ -468,11 +395,3 @@ class Dataset:
         """The equivalent real `grain.MapDataset`/`IterDataset` (same ops, seeds and sources)."""
         return to_grain(self._op, {})
 
-
-class IterDataset(Dataset):
-    """`grain.IterDataset` spellings (`zg.IterDataset.mix(...)`); any `Dataset` is one."""
-
-    @classmethod
-    def mix(cls, datasets: Any, weights: Sequence[float] | None = None, **_: Any) -> Dataset:
-        from .iterdata import iter_mix
-        return iter_mix(datasets, weights)

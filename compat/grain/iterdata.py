@@ -97,6 +97,14 @@ def iter_mix(datasets: Sequence[Any] | Mapping[str, Any], weights: Any = None) -
                                         "weights": None if weights is None else tuple(weights)}))
 
 
+class IterDataset(Dataset):
+    """`grain.IterDataset` spellings (`zg.IterDataset.mix(...)`); any `Dataset` is one."""
+
+    @classmethod
+    def mix(cls, datasets: Any, weights: Sequence[float] | None = None, **_: Any) -> Dataset:
+        return iter_mix(datasets, weights)
+
+
 class _ParquetRows(grain.DatasetIterator):
     """Rows of one Parquet file as dicts of numpy values, row group by row group (as Grain)."""
 

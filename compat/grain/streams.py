@@ -25,12 +25,13 @@ from .order import mix_selection
 
 
 def make_batch(values: Sequence[Any]) -> Any:
-    """Grain's `make_batch`: a new leading axis on every leaf (`np.stack`; one value: expand)."""
+    """Grain's `make_batch`: a new leading axis on every leaf (`np.stack`; one value: expand);
+    dicts come back with sorted keys, as Grain's tree functions return them."""
     if not values:
         raise ValueError("Cannot batch 0 values.")
     first = values[0]
     if isinstance(first, dict):
-        return {k: make_batch([v[k] for v in values]) for k in first}
+        return {k: make_batch([v[k] for v in values]) for k in sorted(first)}
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*(make_batch([v[i] for v in values]) for i in range(len(first))))
     if isinstance(first, (list, tuple)):
