@@ -199,14 +199,31 @@ class Dataset(TailMixin):
     def map_with_index(self, transform: Any) -> Dataset:
         return self._then("map_with_index", transform=transform, iter=self._in_iter())
 
-    def batch(self, batch_size: int, *, drop_remainder: bool = False,
-              batch_fn: Callable[[Sequence[Any]], Any] | None = None) -> Dataset:
+    def batch(self, batch_size: int | None = None, *, drop_remainder: bool = False,
+              batch_fn: Callable[[Sequence[Any]], Any] | None = None,
+              schedule: Sequence[tuple[int, int]] | None = None) -> Dataset:
         """Grain's batch. The plan's global batch where it gives Grain's batches; a smaller last
-        batch (drop_remainder=False) or a `batch_fn` is assembled after the plan (`tail`)."""
+        batch (drop_remainder=False) or a `batch_fn` is assembled after the plan (`tail`).
+
+        `schedule` (Zephon's, not Grain's) is a batch-size ramp `((0, B0), (step1, B1), ...)`
+        that is part of the plan (see `zephon.batchsize`); `batch_size` may then be omitted.
+        """
+        if schedule is not None:
+            from zephon.batchsize import parse_schedule
+
+            entries = parse_schedule(schedule)
+            if not entries or entries[0][0] != 0 or (batch_size is not None and batch_size != entries[0][1]):
+                raise PlanError(f"schedule={list(schedule)!r} must start at step 0 with the batch "
+                                "size (omit batch_size, or give the schedule's first size).")
+            batch_size = entries[0][1]
+            schedule = tuple(entries[1:])
+        if batch_fn is not None and schedule:
+            raise PlanError("batch(schedule=...) with batch_fn is not supported: a schedule is part "
+                            "of the plan; pad with map() before batch() instead.")
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise PlanError(f"batch_size must be a positive integer, got {batch_size!r}")
         return self._then("batch", batch_size=int(batch_size), drop_remainder=bool(drop_remainder),
-                          batch_fn=batch_fn)
+                          batch_fn=batch_fn, **({"schedule": schedule} if schedule else {}))
 
     def to_iter_dataset(self, read_options: Any = None, *, allow_nones: bool = False) -> Dataset:
         """Grain's switch to `IterDataset`; kept so pipelines read the same (Zephon needs no

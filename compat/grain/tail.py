@@ -103,8 +103,8 @@ def _plan_batch(batch: _Op, stream_length: Callable[[_Op], int | None]) -> bool:
     a = batch.args
     if a.get("batch_fn") is not None:
         return False
-    if a["drop_remainder"]:
-        return True
+    if a["drop_remainder"] or a.get("schedule"):
+        return True  # (a batch-size schedule is the plan's: full batches only)
     parent = batch.parents[0]
     if any(o.kind == "filter" for o in parent.upstream()):
         return False
