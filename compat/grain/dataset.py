@@ -32,7 +32,6 @@ from .packing import pack_step
 from .pipeline import TailMixin
 from .records import elements
 from .tail import TAIL_ONLY
-from .transforms import has_accumulator
 
 _ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset", "batch", "seed",
              "pack", *TAIL_ONLY)
@@ -314,18 +313,6 @@ class Dataset(TailMixin):
                    world=world if world is not None else self._config.world or 1,
                    runner=self._config.runner, start_step=start_step, read_ahead=self._config.read_ahead)
 
-    def _check_backend(self, what: str) -> _Compiled:
-        self._no_tail(what)
-        c = self._compiled
-        if not self.batched:
-            raise PlanError(f"{what} emits global batches; add .batch(B) to the pipeline.")
-        if not has_accumulator(c.transforms) and not all(t.one_to_one for t in row_ops(c.transforms)):
-            raise PlanError(f"{what} with a filter is not available yet: the backend's loader "
-                            "cannot stack Grain records for steps evaluated in several passes. "
-                            "Iterate the dataset (numpy batches) or filter with a Map that marks "
-                            "records instead.")
-        return c
-
     def to_jax(self, mesh: Any = None, batch_axes: Any = "data", **kwargs: Any) -> Any:
         """A `zephon.backends.jax.JaxLoader` over this pipeline: sharded global `jax.Array`s.
 
@@ -342,10 +329,8 @@ class Dataset(TailMixin):
         otherwise torch.distributed's)."""
         from zephon.backends.torch import TorchLoader
         c = self._check_backend("to_torch")
-        if self._config.world is not None:
-            kwargs.setdefault("rank", self._config.rank)
-            kwargs.setdefault("world", self._config.world)
-        return TorchLoader(c.plan, c.sources, c.transforms, runner=self._config.runner, **kwargs)
+        return TorchLoader(c.plan, c.sources, c.transforms, runner=self._config.runner,
+                           **self._shard_kwargs(kwargs))
 
     def to_torch_dataset(self, **kwargs: Any) -> Any:
         """A `zephon.backends.torch.ZephonIterableDataset` over this pipeline, for
@@ -353,10 +338,8 @@ class Dataset(TailMixin):
         torch.distributed's)."""
         from zephon.backends.torch import ZephonIterableDataset
         c = self._check_backend("to_torch_dataset")
-        if self._config.world is not None:
-            kwargs.setdefault("rank", self._config.rank)
-            kwargs.setdefault("world", self._config.world)
-        return ZephonIterableDataset(c.plan, c.sources, c.transforms, runner=self._config.runner, **kwargs)
+        return ZephonIterableDataset(c.plan, c.sources, c.transforms, runner=self._config.runner,
+                                     **self._shard_kwargs(kwargs))
 
     def __iter__(self) -> Any:
         if self._tail is not None:

@@ -15,8 +15,9 @@ import grain
 
 from zephon.errors import PlanError
 
-from .compile import _Op
+from .compile import _Compiled, _Op, row_ops
 from .tail import Split, Tail, split
+from .transforms import has_accumulator
 
 if TYPE_CHECKING:
     from .dataset import Dataset
@@ -37,6 +38,10 @@ class TailMixin:
         def packed(self) -> bool: ...
         @property
         def _token_mixed(self) -> bool: ...
+        @property
+        def batched(self) -> bool: ...
+        @property
+        def _compiled(self) -> _Compiled: ...
         def _in_iter(self) -> bool: ...
         def _item(self, index: int) -> Any: ...
         def runner(self, runner: Any) -> Dataset: ...
@@ -95,6 +100,25 @@ class TailMixin:
         if self._in_iter():
             raise PlanError(f"ds[{index}]: an IterDataset has no random access (as in Grain).")
         return _facade(_Op("repeat", (self._op,), {"num_epochs": None}), self._config)._item(index)
+
+    def _check_backend(self, what: str) -> _Compiled:
+        self._no_tail(what)
+        c = self._compiled
+        if not self.batched:
+            raise PlanError(f"{what} emits global batches; add .batch(B) to the pipeline.")
+        if not has_accumulator(c.transforms) and not all(t.one_to_one for t in row_ops(c.transforms)):
+            raise PlanError(f"{what} with a filter is not available yet: the backend's loader "
+                            "cannot stack Grain records for steps evaluated in several passes. "
+                            "Iterate the dataset (numpy batches) or filter with a Map that marks "
+                            "records instead.")
+        return c
+
+    def _shard_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A torch emitter's rank/world: the dataset's `shard()`, else torch.distributed's."""
+        if self._config.world is not None:
+            kwargs.setdefault("rank", self._config.rank)
+            kwargs.setdefault("world", self._config.world)
+        return kwargs
 
     def _read_options(self, read_options: Any) -> Dataset:
         """Grain's `ReadOptions(num_threads=n)`: a Zephon threads runner of n workers."""
