@@ -20,9 +20,9 @@ from zephon.verify import run_fingerprints
 
 from .compile import READ_AHEAD
 from .iterator import CollatingLoader, Iterator
-from .streams import BatchStep
 from .order import ContiguousBatches, GrainIndex, GrainLoaderOrder, GrainSampler
 from .sources import GrainSource
+from .streams import BatchStep
 from .transforms import GrainFilter, GrainMap, GrainRandomMap, with_collate
 
 
