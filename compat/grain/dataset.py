@@ -31,7 +31,7 @@ from .iterator import CollatingLoader, Iterator
 from .packing import pack_step
 from .pipeline import TailMixin
 from .records import elements
-from .tail import TAIL_ONLY
+from .tail import TAIL_ITER, TAIL_ONLY
 
 _ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset", "batch", "seed",
              "pack", *TAIL_ONLY)
@@ -114,7 +114,7 @@ class Dataset(TailMixin):
                             "packing step; move it before them (as in Grain).")
 
     def _in_iter(self) -> bool:
-        return any(o.kind in ("to_iter_dataset", "pack", *TAIL_ONLY) for o in self._op.upstream())
+        return any(o.kind in ("to_iter_dataset", "pack", *TAIL_ITER) for o in self._op.upstream())
 
     @property
     def packed(self) -> bool:

@@ -41,10 +41,12 @@ from .transforms import grain_map_rng
 
 TAIL_LEAVES = ("iter_mix", "interleave", "external")
 """Grain iterator datasets that start a pipeline (their inputs are whole datasets, in args)."""
-TAIL_ONLY = ("prefetch", "flat_map", "window_shuffle", *TAIL_LEAVES)
-"""Steps that only exist as Grain iterators: a pipeline containing one is run by the tail."""
+TAIL_ONLY = ("prefetch", "flat_map", "window_shuffle", "flat_map_map", *TAIL_LEAVES)
+"""Steps the plan does not run: a pipeline containing one is run by the tail."""
+TAIL_ITER = tuple(k for k in TAIL_ONLY if k != "flat_map_map")
+"""The tail steps that make the pipeline an IterDataset."""
 
-MAP_STEPS = ("map", "filter", "random_map", "map_with_index", "slice", "batch")
+MAP_STEPS = ("map", "filter", "random_map", "map_with_index", "slice", "batch", "flat_map_map")
 
 
 def chain(op: _Op) -> list[_Op]:
@@ -145,6 +147,9 @@ class Tail:
             elif o.kind == "batch":
                 bs = o.args["batch_size"]
                 n = n // bs if o.args["drop_remainder"] else math.ceil(n / bs)
+            elif o.kind == "flat_map_map":
+                fan = o.args["transform"].max_fan_out
+                n = GRAIN_INFINITE if n >= GRAIN_INFINITE / fan else fan * n
         return n
 
     def item(self, index: int, upto: int | None = None) -> Any:
@@ -163,6 +168,11 @@ class Tail:
             start, stop = i * bs, min(parent_n, (i + 1) * bs)
             values = [self.item(j + epoch * parent_n, k - 1) for j in builtins.range(start, stop)]
             return (a.get("batch_fn") or make_batch)(values)
+        if o.kind == "flat_map_map":
+            element, slot = divmod(index, a["transform"].max_fan_out)
+            parent = self.item(element, k - 1)
+            splits = None if parent is None else _splits(a["transform"], parent)
+            return splits[slot] if splits is not None and slot < len(splits) else None
         e = self.item(index, k - 1)
         if e is None:
             return None
@@ -194,6 +204,9 @@ class Tail:
         if k in ("map", "filter", "flat_map"):
             f = fn_of(k, a["transform"])
             return {"map": MapStep, "filter": FilterStep, "flat_map": FlatMapStep}[k](it, f)
+        if k == "flat_map_map":  # iterating Grain's MapDataset skips the unused slots' Nones
+            t = a["transform"]
+            return FlatMapStep(it, lambda e: _splits(t, e))
         if k == "batch":
             return BatchStep(it, a["batch_size"], a["drop_remainder"], a.get("batch_fn"))
         if k == "prefetch":
@@ -212,6 +225,14 @@ class Tail:
         raise PlanError(f"{k} cannot follow a step the plan does not run (after batch with "
                         "batch_fn/a partial last batch, or after a Grain iterator step); move it "
                         "before batch().")
+
+
+def _splits(transform: Any, element: Any) -> list[Any]:
+    splits = list(transform.flat_map(element))
+    if len(splits) > transform.max_fan_out:
+        raise ValueError(f"the FlatMapTransform made {len(splits)} elements, more than its "
+                         f"max_fan_out={transform.max_fan_out}; raise max_fan_out (as in Grain).")
+    return splits
 
 
 class IndexIterator(grain.DatasetIterator):
