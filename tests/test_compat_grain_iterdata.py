@@ -225,3 +225,17 @@ def test_flat_map_map_dataset_random_access_len_and_iteration_equal_grain() -> N
     _eq([g[i] for i in range(25)], [z[i] for i in range(25)])  # Nones in unused slots; next epoch
     _eq(list(g), list(z))
     _eq(list(g.to_iter_dataset().batch(4)), list(z.to_iter_dataset().batch(4)))
+
+
+def test_repeat_without_reseed_and_to_iter_dataset_with_nones_equal_grain() -> None:
+    def build(M, _):
+        return M.range(9).shuffle(seed=4).random_map(lambda x, r: x + r.integers(100), seed=1).repeat(
+            3, reseed_each_epoch=False)
+
+    g, z = _both(build)
+    assert len(z) == len(g) == 27
+    _eq([g[i] for i in range(30)], [z[i] for i in range(30)])
+    _eq(list(g), list(z))
+    gn = grain.MapDataset.range(10).filter(lambda x: x % 3 == 0).to_iter_dataset(allow_nones=True)
+    zn = zg.Dataset.range(10).filter(lambda x: x % 3 == 0).to_iter_dataset(allow_nones=True)
+    _eq(list(gn), list(zn))
