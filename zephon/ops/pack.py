@@ -260,9 +260,14 @@ class Pack(Accumulator):
             if size <= 0:
                 q, o = q + 1, 0
                 continue
-            fits = [i for i, u in enumerate(used) if L - u >= size and len(bins[i]) < cap]
-            if fits:
-                i = fits[0] if self.mode == "first_fit" else min(fits, key=lambda j: (L - used[j], j))
+            i, room, top = -1, L - size, -1
+            for j, u in enumerate(used):  # first fit: the first open row with room; best fit:
+                if top < u <= room and len(bins[j]) < cap:  # the fullest, the first of equals
+                    i, top = j, u
+                    if self.mode == "first_fit":
+                        break
+            if i >= 0:
+                pass
             elif len(bins) < self.max_open_bins:
                 bins.append([])
                 used.append(0)
