@@ -25,7 +25,6 @@ import json
 import math
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -103,7 +102,8 @@ def train(loader, model, opt, steps: int, log: bool = True) -> list[float]:
         opt.step()
         losses.append(float(loss.detach()))
         if log:
-            per = {name: float(masked[batch["source_id"] == d].sum() / max(1, int(batch["trained_by_source"][:, d].sum())))
+            per = {name: float(masked[batch["source_id"] == d].sum()
+                               / max(1, int(batch["trained_by_source"][:, d].sum())))
                    for d, (name, _) in enumerate(DOMAINS)}
             trained = batch["trained_by_source"].sum(0).tolist()
             print(f"step {loader.step - 1:3d}  loss {loss:.3f}  per domain "

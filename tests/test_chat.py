@@ -45,7 +45,8 @@ def test_the_mask_marks_the_answers_and_their_end_markers_only(tok):
     # roles are configurable: train the user's turns instead
     out, _ = apply(Chat(tok, train=("user",)), convs[:5])
     for msgs, t, m in zip(convs, out["tokens"], out["loss_mask"]):
-        assert tok.decode(t[m == 1].tolist()) == "".join(x["content"] + "<|end|>\n" for x in msgs if x["role"] == "user")
+        users = "".join(x["content"] + "<|end|>\n" for x in msgs if x["role"] == "user")
+        assert tok.decode(t[m == 1].tolist()) == users
 
 
 def test_json_text_conversations_and_bos(tok):
