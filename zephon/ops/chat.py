@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from itertools import pairwise
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -58,7 +58,7 @@ def _generation_extension() -> type:
     class Generation(Extension):
         """`{% generation %}...{% endgeneration %}`: the block's text is trained."""
 
-        tags: ClassVar[set[str]] = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 - jinja2's Extension declares it an instance set
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
@@ -166,7 +166,7 @@ class ChatTemplate:
             env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
             env.globals["raise_exception"] = _raise
             try:
-                object.__setattr__(self, "_compiled", env.from_string(self.source))
+                object.__setattr__(self, "_compiled", env.from_string(self.source or ""))
             except TemplateError as e:
                 raise PlanError(f"the chat template does not compile: {e}") from None
         text = self._compiled.render(messages=list(messages), add_generation_prompt=False,  # type: ignore[attr-defined]
