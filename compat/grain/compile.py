@@ -326,7 +326,7 @@ def to_grain(op: _Op, memo: dict[int, Any]) -> Any:
                 p = p.to_iter_dataset()  # Grain requires this after filter; same elements
             if a.get("schedule"):
                 raise PlanError("Grain has no batch-size schedule; compare a pipeline with one batch size.")
-            ds = p.batch(a["batch_size"], drop_remainder=a["drop_remainder"])
+            ds = p.batch(a["batch_size"], drop_remainder=a["drop_remainder"], batch_fn=a.get("batch_fn"))
         else:
             raise PlanError(f"no Grain equivalent for step {k!r}")
     memo[id(op)] = ds
