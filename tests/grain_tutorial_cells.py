@@ -9,8 +9,9 @@ The cells are data here: `tests/grain_tutorials.py` runs each page with real Gra
 
 Only what needs the network or is not installable changes, and identically on both sides:
 `tests/grain_tutorials.py` gives `tfds.data_source(...)` (mnist, pneumonia_mnist), torchvision's
-FashionMNIST, `cv2.resize` and the data loader page's undefined `source` local stand-ins of the
-same record structure, drops `!`/`%` shell lines (`!rm -rf` becomes `shutil.rmtree`) and runs every
+FashionMNIST, the Hugging Face demo dataset and tokenizer, bagz's Reader/Writer (Apache Beam is
+absent, so its cells fail on Grain too and are not counted), `cv2.resize` and the data loader page's
+undefined `source` local stand-ins of the same record structure, drops `!`/`%` shell lines (`!rm -rf` becomes `shutil.rmtree`) and runs every
 page in a fresh temporary directory. Cells that still cannot run offline are listed, with the
 reason, in SKIPPED_CELLS / SKIPPED_PAGES.
 """
@@ -622,6 +623,116 @@ for x in range(ncols):
     axs[y, x].imshow(data[y, 0])
     axs[y, x].set_axis_off()'''),
     ],
+    "huggingface": [
+        ('cell1', r'''# Python standard library
+from pprint import pprint
+# HF imports
+from datasets import load_dataset
+from dateutil.parser import parse
+import grain
+import numpy as np
+from transformers import AutoTokenizer'''),
+        ('cell2', r'''hf_dataset = load_dataset("lhoestq/demo1")
+hf_train, hf_test = hf_dataset["train"], hf_dataset["test"]
+hf_dataset'''),
+        ('cell3', r'''hf_train[0]'''),
+        ('cell4', r'''def process_date(sample: dict) -> dict:
+  sample["date"] = parse(sample["date"]).timestamp()
+  return sample
+
+
+def process_sample_to_np(sample: dict) -> np.ndarray:
+  for name, value in sample.items():
+    sample[name] = np.asarray(value)
+  return sample'''),
+        ('cell5', r'''dataset = (
+    grain.MapDataset.source(hf_train)
+    .shuffle(seed=42)  # shuffles globally
+    .map(process_date)  # maps each element
+    .map(process_sample_to_np)  # maps each element
+)'''),
+        ('cell6', r'''list(dataset)'''),
+        ('cell7', r'''tokenizer = AutoTokenizer.from_pretrained("bert-base-uncased")
+tokenizer'''),
+        ('cell8', 'review = hf_train[0]["review"]\npprint(review)\nprint("\\n", tokenizer(review).keys(), "\\n")\npprint(np.asarray(tokenizer(review)["input_ids"]))'),
+        ('cell9', r'''target_length = 70
+
+def process_transformer(sample: dict) -> dict:
+  tokenized = tokenizer(sample["review"])["input_ids"][:target_length]
+  sample["review"] = np.pad(
+      tokenized, pad_width=(0, target_length-len(tokenized)))
+  return sample
+
+
+dataset = (
+    grain.MapDataset.source(hf_train)
+    .shuffle(seed=42)
+    .map(process_date)
+    .map(process_transformer)
+)'''),
+        ('cell10', r'''dataset[2]'''),
+        ('cell11', r'''dataset = (
+    grain.MapDataset.source(hf_train)
+    .shuffle(seed=42)
+    .filter(lambda x: x["star"] > 3)  # filters samples
+    .map(process_date)
+    .map(process_transformer)
+    .map(process_sample_to_np)
+    .to_iter_dataset()
+    .batch(batch_size=2)  # batches consecutive elements
+)'''),
+        ('cell12', r'''ds_iter = iter(dataset)
+next(ds_iter)'''),
+    ],
+    "bagz": [
+        ('cell1', r'''import grain
+import bagz
+from bagz.beam import bagzio
+import numpy as np
+import pathlib
+import random
+import apache_beam as beam'''),
+        ('cell2', r'''assert np.__version__[0] == "1", "Apache Beam requires NumPy<2"'''),
+        ('cell3', r'''with beam.Pipeline() as pipeline:
+  data = ["record1", "record2", "record3"]
+  _ = (
+      pipeline
+      | 'CreateData' >> beam.Create(data)
+      | 'Capitalize' >> beam.Map(lambda x: x.upper())
+      | 'Encode' >> beam.Map(lambda x: x.encode())
+      | 'WriteData' >> bagzio.WriteToBagz('beam_data@*.bagz')
+  )'''),
+        ('cell4', r'''file = pathlib.Path("beam_data-00000-of-00001.bagz")
+reader = bagz.Reader(file)
+print(list(reader))'''),
+        ('cell5', r'''random.seed(42)
+
+records = list(f"Record: {random.randint(100, 1000)}" for _ in range(40))
+
+file = pathlib.Path("data.bagz")
+
+with bagz.Writer(file) as writer:
+    for rec in records:
+        writer.write(rec)'''),
+        ('cell6', r'''reader = bagz.Reader(file)
+
+print(len(reader))
+
+print(reader[10])
+
+print(list(reader[5:15]))'''),
+        ('cell7', r'''dataset = (
+    grain.MapDataset.source(reader)
+    .shuffle(seed=42)
+    .map(lambda x: x.decode())  # move from bytes to strings
+    .filter(lambda x: x[-1] != "6")  # let's filter out some files
+    .map(lambda x: x.upper())  # and capitalize them
+    .to_iter_dataset()
+)'''),
+        ('cell8', r'''print(f"Filtered out: {len(reader) - len(list(dataset))} records.")
+
+list(dataset)'''),
+    ],
     'parquet': [
         ('dFnwN6NNw0Oe', r"""import pyarrow as pa
 import pyarrow.parquet as pq
@@ -687,6 +798,8 @@ import pprint'''),
 }
 
 SKIPPED_CELLS: dict[tuple[str, str], str] = {
+    ('bagz', 'cell0'): 'installs packages',
+    ('huggingface', 'cell0'): 'installs packages',
     ('dataset_basic', 'sHOibn5Q2GRt'): 'installs Grain',
     ('dataset_advanced', 'OFw1tjvkP3wb'): 'installs packages',
     ('dataset_advanced', 'Wb2y5VoTl5_H'): 'installs Orbax',
@@ -703,8 +816,6 @@ SKIPPED_CELLS: dict[tuple[str, str], str] = {
 }
 
 SKIPPED_PAGES: dict[str, str] = {
-    'huggingface': 'downloads a dataset and a tokenizer from the Hugging Face Hub in its first cells',
-    'bagz': 'needs bagz and apache-beam (not installable here; Beam requires NumPy<2)',
     'arrayrecord': "downloads tfds 'bool_q' and a Hub tokenizer; the cells that remain only write and read an ArrayRecord file without Grain datasets",
     'readme': 'its one block is a fragment (the loop body is a comment)',
 }

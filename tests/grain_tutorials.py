@@ -178,12 +178,113 @@ def _fake_torchvision() -> dict[str, types.ModuleType]:
     return {"torchvision": tv, "torchvision.datasets": ds, "torchvision.transforms": tr}
 
 
+_REVIEWS = ["Great app, works offline and syncs fast", "Crashes every time I open settings",
+            "Decent but the ads are too loud", "Love the new dark theme", "Battery drain after update",
+            "Five stars, simple and clean", "Cannot log in since yesterday", "Useful widgets and tips",
+            "Too many permissions for a notes app", "Best calendar I have used"]
+
+
+class LocalRows:
+    """Stands in for a Hugging Face `datasets.Dataset` split: random access to fresh dicts
+    (mutating one never changes the next read, as with HF), the demo's column names."""
+
+    def __init__(self, split: str, n: int, offset: int) -> None:
+        self.split = split
+        self._rows = [{"package_name": f"com.example.app{(i + offset) % 4}", "review": _REVIEWS[(i + offset) % 10],
+                       "date": f"{['January', 'March', 'July', 'October'][i % 4]} {1 + 3 * i % 28:02d} 2017",
+                       "star": 1 + (7 * (i + offset)) % 5, "version_id": 1000 + i + offset}
+                      for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return dict(self._rows[i])
+
+    def __repr__(self) -> str:
+        return f"Dataset({{features: {list(self._rows[0])}, num_rows: {len(self)}}})"
+
+
+def _fake_hf() -> dict[str, types.ModuleType]:
+    ds = types.ModuleType("datasets")
+
+    def load_dataset(name: str, **_: Any) -> dict[str, LocalRows]:
+        return {"train": LocalRows("train", 10, 0), "test": LocalRows("test", 3, 10)}
+
+    class AutoTokenizer:
+        """A deterministic word-level stand-in for a Hub tokenizer (same call shape)."""
+
+        @classmethod
+        def from_pretrained(cls, name: str) -> AutoTokenizer:
+            return cls()
+
+        def __call__(self, text: str) -> dict[str, list[int]]:
+            ids = [101] + [sum(map(ord, w)) % 30000 for w in text.lower().split()] + [102]
+            return {"input_ids": ids, "token_type_ids": [0] * len(ids), "attention_mask": [1] * len(ids)}
+
+        def __repr__(self) -> str:
+            return "AutoTokenizer(local stand-in)"
+
+    ds.load_dataset = load_dataset  # type: ignore[attr-defined]
+    tf = types.ModuleType("transformers")
+    tf.AutoTokenizer = AutoTokenizer  # type: ignore[attr-defined]
+    return {"datasets": ds, "transformers": tf}
+
+
+def _fake_bagz() -> dict[str, types.ModuleType]:
+    """bagz's `Writer`/`Reader` over a local length-prefixed file (str records stored as UTF-8);
+    `apache_beam` and `bagz.beam` import but are empty (their cells fail on both sides)."""
+    import struct
+
+    class Writer:
+        def __init__(self, path: Any) -> None:
+            self._f = open(path, "wb")  # noqa: SIM115 - closed by __exit__
+
+        def write(self, rec: str | bytes) -> None:
+            b = rec.encode() if isinstance(rec, str) else rec
+            self._f.write(struct.pack("<I", len(b)) + b)
+
+        def __enter__(self) -> Writer:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self._f.close()
+
+    class Reader:
+        def __init__(self, path: Any) -> None:
+            data = open(path, "rb").read()  # noqa: SIM115
+            self._recs, pos = [], 0
+            while pos < len(data):
+                (n,) = struct.unpack_from("<I", data, pos)
+                self._recs.append(data[pos + 4:pos + 4 + n])
+                pos += 4 + n
+
+        def __len__(self) -> int:
+            return len(self._recs)
+
+        def __getitem__(self, i: Any) -> Any:
+            return self._recs[i]
+
+        def __iter__(self) -> Iterator[bytes]:
+            return iter(self._recs)
+
+    bz, beam_pkg, bagzio = (types.ModuleType(n) for n in ("bagz", "bagz.beam", "bagz.beam.bagzio"))
+    bz.Writer, bz.Reader, bz.beam = Writer, Reader, beam_pkg  # type: ignore[attr-defined]
+    beam_pkg.bagzio = bagzio  # type: ignore[attr-defined]
+    return {"bagz": bz, "bagz.beam": beam_pkg, "bagz.beam.bagzio": bagzio,
+            "apache_beam": types.ModuleType("apache_beam")}
+
+
 def _stand_ins(page: str) -> dict[str, types.ModuleType]:
     mods: dict[str, types.ModuleType] = {"tensorflow_datasets": _fake_tfds()}
     if page == "data_loader":
         mods["cv2"] = _fake_cv2()
     if page == "pytorch":
         mods.update(_fake_torchvision())
+    if page == "huggingface":
+        mods.update(_fake_hf())
+    if page == "bagz":
+        mods.update(_fake_bagz())
     return mods
 
 

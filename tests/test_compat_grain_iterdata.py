@@ -196,3 +196,17 @@ def test_lambda_pipelines_checkpoint_with_one_warning_and_mp_prefetch_keeps_the_
         cfg = zg.experimental.pick_performance_config(ds=z, ram_budget_mb=1024, max_workers=2)
         assert cfg.multiprocessing_options.num_workers <= 2
         _eq(list(g), list(z.to_iter_dataset(read_options=cfg.read_options)))
+
+
+def test_dataloader_partial_last_batch_and_batch_fn_equal_grain() -> None:
+    class Keep(grain.transforms.Filter):
+        def filter(self, x):
+            return x % 4 != 1
+
+    src = grain.sources.RangeDataSource(0, 23, 1)
+    for ops in ([grain.transforms.Batch(5)], [Keep(), grain.transforms.Batch(4)],
+                [grain.transforms.Batch(3, batch_fn=lambda xs: (sum(xs), len(xs)))]):
+        s = grain.samplers.IndexSampler(23, shard_options=grain.sharding.NoSharding(), shuffle=True,
+                                        num_epochs=2, seed=7)
+        args = {"data_source": src, "sampler": s, "operations": ops, "worker_count": 0}
+        _eq(list(grain.DataLoader(**args)), list(zg.DataLoader(**args)))
