@@ -76,15 +76,16 @@ class Dataset(TailMixin):
 
         `by="tokens"` (Zephon): the weights apply to realised tokens, inside every lane — each
         lane takes its next document from the dataset furthest below its share of the tokens
-        so far (`zephon.Mix(..., by="tokens")`). Each dataset tokenizes before the mix (e.g.
+        so far (`zephon.Mix(..., by="tokens")`); `by="trained_tokens"` counts only the tokens
+        whose `loss_mask` is non-zero (`zephon.ops.chat.Chat` writes it). Each dataset tokenizes before the mix (e.g.
         `.map(Tokenize(...))`); what is counted is the length of column `count_field` (default:
         the feature a later packing step packs, else `tokens`). Such a mix is the last ordering
         step (shuffle/repeat each dataset before it) and has no random access. `schedule`
         (by tokens only): `((step, weights), ...)`, a curriculum (`zephon.Mix(schedule=...)`).
         """
-        if by not in ("samples", "tokens"):
-            raise PlanError(f"mix(by=...) must be 'samples' or 'tokens', got {by!r}")
-        if schedule and by != "tokens":
+        if by not in ("samples", "tokens", "trained_tokens"):
+            raise PlanError(f"mix(by=...) must be 'samples', 'tokens' or 'trained_tokens', got {by!r}")
+        if schedule and by == "samples":
             raise PlanError("mix(schedule=...) needs by='tokens': a mix by samples has one set of "
                             "weights (Grain's proportional interleave).")
         if isinstance(datasets, Mapping) or (by == "samples" and not schedule and any(
@@ -123,7 +124,8 @@ class Dataset(TailMixin):
 
     @property
     def _token_mixed(self) -> bool:
-        return any(o.kind == "mix" and o.args.get("by") == "tokens" for o in self._op.upstream())
+        return any(o.kind == "mix" and o.args.get("by") in ("tokens", "trained_tokens")
+                   for o in self._op.upstream())
 
     def _seed_for(self, kind: str, seed: int | None) -> int | None:
         if seed is not None:
