@@ -10,9 +10,7 @@ Cases, global shuffle, 8 lanes:
                 (a few microseconds) is as large a share as it gets; reported, not the target
 Every case runs on and off in alternation (the order flips every round), `--rounds` times, each
 pass `--seconds` long after a short warm-up, in this one process; the table shows the median
-rows per CPU second of the process (what load from other jobs does not inflate) on and off, their
-ratio, and the same ratio in wall-clock rows/s. Target (issue 28): on / off >= 0.98 on the
-array_record rows.
+rows/s and on / off. Target (issue 28): on / off >= 0.98 on the array_record rows.
 
     python benchmarks/telemetry.py             # writes results/telemetry.json and telemetry.png
 """
@@ -72,24 +70,19 @@ def name(kind: str, emitter: str, batch: int, engine: bool) -> str:
             f"{'filter' if engine else 'one-to-one'}")
 
 
-def rate(loader, seconds: float, batch: int) -> tuple[float, float]:
-    """(rows per wall second, rows per CPU second of this process) over `seconds` of wall time.
-
-    CPU seconds (every thread of the process, the ArrayRecord reader's included) are what a
-    shared machine's load does not inflate: on a loaded machine they, not wall time, resolve a
-    difference of a few percent."""
+def rate(loader, seconds: float, batch: int) -> float:
     it = iter(loader)
     warm = time.perf_counter() + min(0.5, seconds / 4)
     while time.perf_counter() < warm:
         next(it)
-    n, t0, c0 = 0, time.perf_counter(), time.process_time()
+    n, t0 = 0, time.perf_counter()
     end = t0 + seconds
     while True:
         next(it)
         n += 1
         if n % 8 == 0 and time.perf_counter() >= end:
             break
-    return n * batch / (time.perf_counter() - t0), n * batch / (time.process_time() - c0)
+    return n * batch / (time.perf_counter() - t0)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -107,7 +100,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.axvline(TARGET, color="gray", ls="--", lw=1)
     ax.axvline(1.0, color="black", lw=0.5)
     ax.set_xlim(0.9, 1.06)
-    ax.set_xlabel("rows per CPU second with telemetry / without (median)")
+    ax.set_xlabel("throughput with telemetry / without (median)")
     fig.subplots_adjust(left=0.42, right=0.97, bottom=0.15)
     fig.savefig(path, dpi=110)
 
@@ -120,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", default=str(HERE / "data"), help="where data sets are cached (as run.py)")
     args = ap.parse_args(argv)
     srcs = sources(args.data_dir)
-    samples: dict[tuple, dict[bool, list[tuple[float, float]]]] = {c: {True: [], False: []} for c in CASES}
+    samples: dict[tuple, dict[bool, list[float]]] = {c: {True: [], False: []} for c in CASES}
     load = os.getloadavg()
     for r in range(args.rounds):
         for case in CASES:
@@ -130,22 +123,19 @@ def main(argv: list[str] | None = None) -> int:
                 loader.close()
     rows = []
     for case, s in samples.items():
-        on, off = (statistics.median(w for w, _ in s[t]) for t in (True, False))
-        cpu_on, cpu_off = (statistics.median(c for _, c in s[t]) for t in (True, False))
+        on, off = statistics.median(s[True]), statistics.median(s[False])
         rows.append({"case": name(*case), "target_row": case[0] == "array_record",
-                     "rows_per_s_on": on, "rows_per_s_off": off, "wall_on_over_off": on / off,
-                     "rows_per_cpu_s_on": cpu_on, "rows_per_cpu_s_off": cpu_off,
-                     "on_over_off": cpu_on / cpu_off, "on_runs": s[True], "off_runs": s[False]})
+                     "rows_per_s_on": on, "rows_per_s_off": off, "on_over_off": on / off,
+                     "on_runs": s[True], "off_runs": s[False]})
     worst = min(r["on_over_off"] for r in rows if r["target_row"])
     meta = {"rounds": args.rounds, "seconds": args.seconds, "cases": [name(*c) for c in CASES],
             "load_avg_before": load, "load_avg_after": os.getloadavg(), "target": TARGET,
             "worst_on_over_off": worst,
             "median_on_over_off": statistics.median(r["on_over_off"] for r in rows if r["target_row"]),
             "met": worst >= TARGET}
-    print(f"{'case':<44}{'off rows/cpu-s':>15}{'on rows/cpu-s':>15}{'on/off':>8}{'wall on/off':>13}")
+    print(f"{'case':<44}{'off rows/s':>14}{'on rows/s':>14}{'on/off':>9}")
     for r in rows:
-        print(f"{r['case']:<44}{r['rows_per_cpu_s_off']:>15,.0f}{r['rows_per_cpu_s_on']:>15,.0f}"
-              f"{r['on_over_off']:>8.3f}{r['wall_on_over_off']:>13.3f}")
+        print(f"{r['case']:<44}{r['rows_per_s_off']:>14,.0f}{r['rows_per_s_on']:>14,.0f}{r['on_over_off']:>9.3f}")
     print(f"array_record rows: worst on/off {worst:.3f}, median {meta['median_on_over_off']:.3f} (target >= {TARGET}): "
           f"{'met' if meta['met'] else 'MISSED'}; load {load[0]:.1f} -> {meta['load_avg_after'][0]:.1f}")
     out = HERE / "results"
