@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceError
+from ..storage import Blob
+from .array_record_remote import pin, ranged_reader
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
@@ -40,14 +42,19 @@ def _module() -> Any:
     return array_record_module
 
 
-def _open_reader(path: str, options: str) -> Any:
+def _open_reader(path: str, options: str, blob: Blob | None = None) -> Any:
     """Opens a reader, turning the reader's silent failure mode into an error.
+
+    An object in a bucket (`blob`) is read by byte ranges through `zephon.storage` instead
+    (array_record_remote.py): ArrayRecord's reader reads no s3:// and may hang on gs://.
 
     ArrayRecordReader never raises on open: on a missing, truncated or corrupt file it returns
     a reader with `ok() == False` and `num_records() == 0`, and some such readers then return
     empty records instead of raising. The sequential `read()` is the one call that reports the
     reader's status message, so it supplies the reason.
     """
+    if blob is not None:
+        return ranged_reader(blob)
     reader = _module().ArrayRecordReader(path, options,
                                          file_reader_buffer_size=_FILE_READER_BUFFER_SIZE)
     if reader.ok():
@@ -64,8 +71,8 @@ def _open_reader(path: str, options: str) -> Any:
                       "original) before reading.")
 
 
-def _count_records(path: str, options: str) -> int:
-    reader = _open_reader(path, options)
+def _count_records(path: str, options: str, blob: Blob | None = None) -> int:
+    reader = _open_reader(path, options, blob)
     try:
         writer_options = reader.writer_options_string() or ""
         group = re.search(r"group_size:(\d+)", writer_options)
@@ -98,7 +105,10 @@ class ArrayRecordSource(FileHandles):
         self.spec: RecordSpec = spec if spec is not None else RawBytes()
         self.reader_options = reader_options
         with ThreadPoolExecutor(min(16, len(self.paths))) as pool:  # opening reads each footer
-            counts = np.fromiter(pool.map(lambda p: _count_records(p, reader_options), self.paths),
+            # objects are pinned here: every process this source is shipped to reads this version
+            self._blobs = list(pool.map(pin, self.paths))
+            counts = np.fromiter(pool.map(lambda p, b: _count_records(p, reader_options, b),
+                                          self.paths, self._blobs),
                                  dtype=np.int64, count=len(self.paths))
         self._ends = np.cumsum(counts)
         self._starts = self._ends - counts
@@ -128,7 +138,8 @@ class ArrayRecordSource(FileHandles):
                     err = changed(self.paths[shard], self._stamps[shard], "ArrayRecordSource")
                     if err is not None:
                         raise err
-                    reader = _open_reader(self.paths[shard], self.reader_options)
+                    reader = _open_reader(self.paths[shard], self.reader_options,
+                                          self._blobs[shard])
                     self._readers[shard] = reader
         return reader
 

@@ -23,9 +23,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import DecodeError, SourceError
+from .array_record_remote import pin
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
+from .parquet_remote import open_ranged_parquet
 from .paths import Paths, expand_paths
 
 log = logging.getLogger(__name__)
@@ -62,10 +64,12 @@ class ParquetSource(FileHandles):
         self.paths = expand_paths(paths, "ParquetSource")
         self.verify_checksums = bool(verify_checksums)
         self._stamps: list[FileStamp] = [stamp(p, "ParquetSource") for p in self.paths]
+        self._blobs = [pin(p) for p in self.paths]  # objects: version pinned for every process
         self.list_lengths = dict(list_lengths or {})
         self.cache_row_groups = cache_row_groups
         self.decode_threads = decode_threads if decode_threads is not None else min(4, _cores())
-        files = [self._open(p, self.verify_checksums) for p in self.paths]
+        files = [self._open(p, self.verify_checksums) if b is None  # objects: by ranges
+                 else open_ranged_parquet(b, self.verify_checksums) for p, b in zip(self.paths, self._blobs)]
         schema = files[0].schema_arrow
         self.columns = list(columns) if columns is not None else list(schema.names)
         for path, f in zip(self.paths, files):
@@ -134,7 +138,9 @@ class ParquetSource(FileHandles):
             err = changed(self.paths[index], self._stamps[index], "ParquetSource")
             if err is not None:  # never read the footer of another version of the file
                 raise err
-            files[index] = self._open(self.paths[index], self.verify_checksums)
+            blob = self._blobs[index]
+            files[index] = self._open(self.paths[index], self.verify_checksums) if blob is None \
+                else open_ranged_parquet(blob, self.verify_checksums)
         return files[index]
 
     def __len__(self) -> int:
@@ -200,6 +206,8 @@ class ParquetSource(FileHandles):
         try:
             table = self._file(file).read_row_group(local, columns=self.columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:
+            if isinstance(e, SourceError):  # the storage layer's own error names the object
+                raise
             err = changed(path, self._stamps[file], "ParquetSource")
             if err is not None:  # not corrupt: rewritten under us
                 raise err from e
