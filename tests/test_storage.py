@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,14 +158,26 @@ def test_an_object_replaced_under_a_source_is_a_source_error_naming_it(servers, 
 
     url = f"{where}://{BUCKET}/pin/t.jsonl"
     local = os.path.join(servers["local"], "t.jsonl")
-    storage.put_atomic(url, open(local, "rb").read())
+    storage.put_atomic(url, Path(local).read_bytes())
     src = JsonlSource(url)
     src.read(np.arange(5))
-    storage.put_atomic(url, open(local, "rb").read().replace(b"line", b"LINE"))
+    storage.put_atomic(url, Path(local).read_bytes().replace(b"line", b"LINE"))
     with pytest.raises(SourceError, match=f"{url}: the object was replaced"):
         src.read(np.arange(5))
+    if where == "s3":  # a worker process's storage error reaches the loop as the same error
+        from zephon import Loader, Source
+        from zephon.runners import processes
+
+        storage.put_atomic(url, Path(local).read_bytes())
+        plan = Source(N).shuffle(1).repeat().lanes(4).batch(32)
+        with Loader(plan, JsonlSource(url), runner=processes(2), read_ahead=64) as loader:
+            next(loader)
+            storage.put_atomic(url, Path(local).read_bytes().replace(b"line", b"LINE"))
+            with pytest.raises(SourceError, match=f"{url}: the object was replaced"):
+                for _ in range(100):
+                    next(loader)
     pq_url = f"{where}://{BUCKET}/pin/t.parquet"
-    storage.put_atomic(pq_url, open(os.path.join(servers["local"], "t.parquet"), "rb").read())
+    storage.put_atomic(pq_url, Path(servers["local"], "t.parquet").read_bytes())
     pq = ParquetSource(pq_url, cache_row_groups=0)
     storage.put_atomic(pq_url, b"PAR1 not any more")
     with pytest.raises(SourceError, match=f"{pq_url}: the object was replaced"):
@@ -252,3 +265,53 @@ def test_a_dead_endpoint_fails_within_the_deadline(servers, monkeypatch):
         storage.configure(**{f: getattr(old, f) for f in old.__dataclass_fields__})
         monkeypatch.undo()
         storage.reset()
+
+
+def test_the_local_cache_serves_repeated_reads_checks_entries_and_keeps_its_budget(servers, tmp_path, monkeypatch):
+    from zephon.sources import ArrayRecordSource, FixedFields
+    from zephon.storage import cache
+
+    monkeypatch.setenv("ZEPHON_CACHE_DIR", str(tmp_path))
+    old = storage.policy()
+    storage.configure(cache_bytes=6000)
+    try:
+        src = ArrayRecordSource(f"{_base(servers, 's3')}/ar@3", FixedFields(SPEC_FIELDS))
+        want = ArrayRecordSource(f"{servers['local']}/ar@3", FixedFields(SPEC_FIELDS)).read(np.arange(40))
+        assert np.array_equal(src.read(np.arange(40))["x"], want["x"])
+        before = storage.STATS["requests"]
+        assert np.array_equal(src.read(np.arange(40))["x"], want["x"])
+        assert storage.STATS["requests"] == before  # every range came from the cache
+        entries = sorted(p for p in Path(cache.cache_root()).rglob("*") if p.is_file())
+        assert entries
+        raw = bytearray(entries[0].read_bytes())
+        raw[-1] ^= 0xFF  # a flipped bit in one entry: detected, fetched again, right bytes
+        entries[0].write_bytes(bytes(raw))
+        assert np.array_equal(src.read(np.arange(40))["x"], want["x"])
+        assert storage.STATS["requests"] == before + 1
+        src.read(np.arange(100, 400))  # more than the budget: least recently used entries go
+        total = sum(p.stat().st_size for p in Path(cache.cache_root()).rglob("*") if p.is_file())
+        assert 0 < total <= 6000
+    finally:
+        storage.configure(cache_bytes=old.cache_bytes)
+
+
+@pytest.mark.parametrize("where", ["s3", "gs"])
+def test_tfds_data_dir_in_a_bucket(servers, where, tmp_path):
+    from test_sources import ZephonTinyDataset
+
+    from zephon.sources import TFDSSource
+
+    ZephonTinyDataset(data_dir=str(tmp_path), file_format="array_record").download_and_prepare(
+        file_format="array_record")
+    for f in tmp_path.rglob("*"):
+        if f.is_file() and "downloads" not in f.parts:
+            storage.put_atomic(f"{where}://{BUCKET}/tfds/{f.relative_to(tmp_path)}", f.read_bytes())
+    local = TFDSSource("zephon_tiny_dataset", "train", data_dir=tmp_path)
+    remote = TFDSSource("zephon_tiny_dataset", "train", data_dir=f"{where}://{BUCKET}/tfds")
+    idx = np.array([3, 0, 11, 5, 5])
+    got, want = remote.read(idx), local.read(idx)
+    assert len(remote) == 12 and sorted(got) == sorted(want)
+    for k in want:
+        assert [np.asarray(v).tolist() for v in got[k]] == [np.asarray(v).tolist() for v in want[k]], k
+    with pytest.raises(SourceError, match="Unknown split 'test'"):
+        TFDSSource("zephon_tiny_dataset", "test", data_dir=f"{where}://{BUCKET}/tfds")

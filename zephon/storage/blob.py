@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import cache
 from .client import STATS, retrying, run, store
 from .errors import ObjectChangedError, ObjectCorruptError, ObjectMissingError
 from .ranges import plan_requests
@@ -88,6 +89,26 @@ def _read_local(blob: Blob, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
 
 
 def _read_remote(blob: Blob, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    pol = policy()
+    if pol.cache_bytes > 0:
+        return _read_cached(blob, ranges, pol.cache_bytes)
+    return _fetch_remote(blob, ranges)
+
+
+def _read_cached(blob: Blob, ranges: Sequence[tuple[int, int]], budget: int) -> list[bytes]:
+    """Ranges from the local cache; the misses fetched together, then cached (cache.py)."""
+    hits = cache.lookup(blob.url, blob.version, ranges)
+    missing = [i for i, h in enumerate(hits) if h is None]
+    if missing:
+        want = [ranges[i] for i in missing]
+        got = _fetch_remote(blob, want)
+        cache.store(blob.url, blob.version, want, got, budget)
+        for i, data in zip(missing, got):
+            hits[i] = data
+    return [h if h is not None else b"" for h in hits]
+
+
+def _fetch_remote(blob: Blob, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
     pol = policy()
     wanted = [(o, n) for o, n in ranges if n > 0]
     requests, where = plan_requests(wanted, pol.merge_gap, pol.max_request)
