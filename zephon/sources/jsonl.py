@@ -31,6 +31,7 @@ from .handles import FileHandles
 from .jsonl_remote import head as remote_head
 from .jsonl_remote import remote_line_spans
 from .jsonl_schema import KINDS, checker, hint, kind_of, merge, short, validate_schema
+from .parallel import map_files
 from .paths import Paths, expand_paths
 
 __all__ = ["INFER_RECORDS", "KINDS", "JsonlSource"]
@@ -47,9 +48,10 @@ def _line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Byte [start, end) of every non-empty line; empty lines (blank separators, the newline at
     end of file) are not records. A trailing '\\r' is left to json.loads, which ignores it."""
     newlines = []
-    buf = bytearray(_SCAN_CHUNK)
     offset = 0
     with open(path, "rb") as f:
+        # sized to the file: a small file must not cost a 16 MB buffer (10,000 shards would)
+        buf = bytearray(max(1, min(_SCAN_CHUNK, os.fstat(f.fileno()).st_size + 1)))
         while n := f.readinto(buf):
             chunk = np.frombuffer(buf, dtype=np.uint8, count=n)
             newlines.append(np.flatnonzero(chunk == ord("\n")) + offset)
@@ -109,10 +111,11 @@ class JsonlSource(FileHandles):
                  infer_records: int = INFER_RECORDS) -> None:
         self.paths = expand_paths(paths, "JsonlSource")
         self._stamps: list[FileStamp] = [stamp(p, "JsonlSource") for p in self.paths]
-        self._blobs = [pin(p) for p in self.paths]  # objects: version pinned for every process
+        self._blobs = map_files(pin, self.paths)  # objects: version pinned for every process
         self.ragged = frozenset(ragged)
-        spans = [_line_spans(p) if b is None else remote_line_spans(b)
-                 for p, b in zip(self.paths, self._blobs)]
+        blobs = dict(zip(self.paths, self._blobs))
+        spans = map_files(lambda p: _line_spans(p) if blobs[p] is None else remote_line_spans(blobs[p]),
+                          self.paths)  # every file's line index, on a few threads
         self._file_ends = np.cumsum([len(s) for s, _ in spans])
         self._starts = np.concatenate([s for s, _ in spans])
         self._ends = np.concatenate([e for _, e in spans])
