@@ -114,8 +114,12 @@ class JsonlSource(FileHandles):
         self._blobs = map_files(pin, self.paths)  # objects: version pinned for every process
         self.ragged = frozenset(ragged)
         blobs = dict(zip(self.paths, self._blobs))
-        spans = map_files(lambda p: _line_spans(p) if blobs[p] is None else remote_line_spans(blobs[p]),
-                          self.paths)  # every file's line index, on a few threads
+
+        def line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
+            blob = blobs[path]
+            return _line_spans(path) if blob is None else remote_line_spans(blob)
+
+        spans = map_files(line_spans, self.paths)  # every file's line index, on a few threads
         self._file_ends = np.cumsum([len(s) for s, _ in spans])
         self._starts = np.concatenate([s for s, _ in spans])
         self._ends = np.concatenate([e for _, e in spans])

@@ -72,9 +72,13 @@ class ParquetSource(FileHandles):
         # Footers only, on a few threads; no file stays open (reads reopen a file from its kept
         # footer, which costs no second footer read), so start-up holds no descriptors.
         blobs = dict(zip(self.paths, self._blobs))
-        self._meta: list[Any] = map_files(
-            lambda p: self._footer(p) if blobs[p] is None  # objects: by ranges
-            else open_ranged_parquet(blobs[p], self.verify_checksums).metadata, self.paths)
+
+        def footer(path: str) -> Any:
+            blob = blobs[path]  # objects: by ranges
+            return self._footer(path) if blob is None else \
+                open_ranged_parquet(blob, self.verify_checksums).metadata
+
+        self._meta: list[Any] = map_files(footer, self.paths)
         first = self._meta[0]
         schema = first.schema.to_arrow_schema()
         self.columns = list(columns) if columns is not None else list(schema.names)
