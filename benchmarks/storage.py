@@ -3,7 +3,7 @@
 
 Data: ArrayRecord 100k x 256 int32 (random, so ~1 KiB a record on disk; 4 shards) and a Parquet
 text corpus (100k documents, row groups of 1000). Plan: global shuffle, 8 lanes, B = 64 and 1024.
-For each (format, storage, latency, B): rows/s over a fixed number of rows after the first batch,
+For each (format, storage, latency, B): rows/s over 16384 rows (one loader read-ahead window),
 time to first batch (source construction included: footers, listing, pinning), and bytes
 fetched / bytes needed (needed: the bytes of the format's smallest unit holding the rows read —
 an ArrayRecord chunk, a Parquet row group's column chunks). Baseline "download first": every
@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +42,6 @@ from zephon.sources import (  # noqa: E402
     write_parquet,
     write_sharded_array_record,
 )
-from zephon.testing.fault_proxy import FaultProxy  # noqa: E402
 from zephon.testing.object_servers import create_bucket, start_fake_gcs, start_seaweedfs  # noqa: E402
 
 BUCKET = "zephon-bench"
@@ -96,14 +96,14 @@ def run_case(kind: str, base: str, names: dict[str, str], batch: int, rows_targe
     src = make_source(kind, base, names)
     plan = Source(len(src)).shuffle(7).repeat().lanes(8).batch(batch)
     steps = max(2, rows_target // batch)
+    t1 = time.perf_counter()
     with Loader(plan, src) as loader:
         it = iter(loader)
         next(it)
         ttfb = time.perf_counter() - t0
-        t1 = time.perf_counter()
         for _ in range(steps - 1):
             next(it)
-        rate = (steps - 1) * batch / (time.perf_counter() - t1)
+        rate = steps * batch / (time.perf_counter() - t1)
     fetched = storage.STATS["bytes"] - bytes0
     need = 0
     if fetched:
@@ -130,10 +130,24 @@ def download_first(kind: str, scheme: str, prefix: str, names: dict[str, str], b
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+class ProxyProcess:
+    """The fault proxy in its own process (its work must not share this process's GIL)."""
+
+    def __init__(self, upstream: str, latency: float, rewrite_host: bool) -> None:
+        args = [sys.executable, "-m", "zephon.testing.fault_proxy", upstream, "--latency", str(latency)]
+        self.proc = subprocess.Popen(args + (["--rewrite-host"] if rewrite_host else []),
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        self.endpoint = self.proc.stdout.readline().strip()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def point(proxies: dict, scheme: str, latency: float) -> None:
-    proxies[scheme].faults.latency = latency
-    os.environ["AWS_ENDPOINT_URL"] = proxies["s3"].endpoint
-    os.environ["STORAGE_EMULATOR_HOST"] = proxies["gs"].endpoint
+    """Points `scheme`'s client at the proxy with `latency` added per request."""
+    env = "AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST"
+    os.environ[env] = proxies[(scheme, latency)].endpoint
     storage.reset()
 
 
@@ -141,7 +155,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", type=int, default=100_000)
     ap.add_argument("--docs", type=int, default=100_000)
-    ap.add_argument("--rows", type=int, default=8192, help="rows timed per case")
+    ap.add_argument("--rows", type=int, default=16384,
+                    help="rows per case (16384 = one read-ahead window of the loader, so the rows "
+                         "fetched are the rows used)")
     ap.add_argument("--ttfb-gib", type=float, default=1.0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "storage"))
     args = ap.parse_args()
@@ -159,7 +175,8 @@ def main() -> None:
         data.mkdir()
         names = write_data(data, args.records, args.docs)
         uploads = {scheme: upload(data, scheme, "d") for scheme in ("s3", "gs")}
-        proxies = {"s3": FaultProxy(s3.endpoint), "gs": FaultProxy(gs.endpoint, rewrite_host=True)}
+        proxies = {(scheme, lat): ProxyProcess(srv.endpoint, lat, scheme == "gs")
+                   for scheme, srv in (("s3", s3), ("gs", gs)) for lat in (0.0, 0.02)}
         rows = []
         for kind in ("ar", "pq"):
             for batch in (64, 1024):

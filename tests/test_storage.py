@@ -315,3 +315,18 @@ def test_tfds_data_dir_in_a_bucket(servers, where, tmp_path):
         assert [np.asarray(v).tolist() for v in got[k]] == [np.asarray(v).tolist() for v in want[k]], k
     with pytest.raises(SourceError, match="Unknown split 'test'"):
         TFDSSource("zephon_tiny_dataset", "test", data_dir=f"{where}://{BUCKET}/tfds")
+
+
+@pytest.mark.parametrize("where", ["s3", "gs"])
+def test_plan_json_and_cli_explain_take_urls(servers, where, capsys):
+    from zephon import Source
+    from zephon.cli import main
+    from zephon.testing import load_plan
+
+    plan = Source(N).shuffle(5).repeat().lanes(4).batch(8)
+    url = f"{where}://{BUCKET}/plans/plan.json"
+    storage.put_atomic(url, plan.canonical_json().encode())
+    assert load_plan(url).fingerprint() == plan.fingerprint()
+    assert main(["explain", url, "--step", "2", "--rows", "0:3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [int(line.split()[3]) for line in out[1:4]] == [r["record"] for r in plan.explain(2)[:3]]

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import cache
-from .client import STATS, retrying, run, store
+from .client import STATS, adopt, retrying, run, settings, store
 from .errors import ObjectChangedError, ObjectCorruptError, ObjectMissingError
 from .ranges import plan_requests
 from .retry import policy
@@ -30,6 +30,10 @@ class Blob:
     url: str
     size: int
     version: str
+    #: The storage settings of the process that opened it (endpoint, credentials: see
+    #: `client.settings`); a worker process that lacks them (a fork server started before they
+    #: were set) adopts them. Never in a repr, a log or a state.
+    settings: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
 
     def read(self, offset: int, length: int) -> bytes:
         return self.read_ranges([(offset, length)])[0]
@@ -46,6 +50,7 @@ class Blob:
                                      f"({self.size} bytes): its index is corrupt or belongs to "
                                      "another version. Rewrite or re-index it.")
         if is_remote(self.url):
+            adopt(self.settings)
             return _read_remote(self, ranges)
         return _read_local(self, ranges)
 
@@ -68,7 +73,7 @@ def open_blob(url: str) -> Blob:
 
     meta = run(retrying(url, "reading its size and version (HEAD)", head), url)
     etag = meta.get("e_tag") or meta.get("version") or ""
-    return Blob(url, int(meta["size"]), str(etag))
+    return Blob(url, int(meta["size"]), str(etag), settings())
 
 
 def _read_local(blob: Blob, ranges: Sequence[tuple[int, int]]) -> list[bytes]:

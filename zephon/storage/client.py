@@ -78,6 +78,24 @@ def run(coro: Awaitable[T], what: str) -> T:
     return fut.result()
 
 
+_SETTINGS = ("AWS_", "GOOGLE_", "STORAGE_EMULATOR_HOST", "CLOUD_STORAGE_EMULATOR_ENDPOINT",
+             "ZEPHON_STORAGE_", "ZEPHON_CACHE_DIR")
+
+
+def settings() -> tuple[tuple[str, str], ...]:
+    """This process's storage environment (what a blob carries to worker processes)."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_SETTINGS)))
+
+
+def adopt(values: tuple[tuple[str, str], ...]) -> None:
+    """Sets the storage variables this process lacks (never overrides one it has): a worker
+    started by a fork server that predates them reaches the same store as its parent."""
+    missing = [(k, v) for k, v in values if k not in os.environ]
+    if missing:
+        os.environ.update(missing)
+        reset()
+
+
 def reset() -> None:
     """Forgets this process's stores, so the next request reads the environment again (after
     changing AWS_ENDPOINT_URL, keys or STORAGE_EMULATOR_HOST)."""

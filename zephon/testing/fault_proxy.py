@@ -121,3 +121,30 @@ class FaultProxy:
             raise ConnectionResetError("upstream asked to close")
         writer.write(answer)
         await writer.drain()
+
+
+def main() -> None:
+    """`python -m zephon.testing.fault_proxy UPSTREAM [--latency S] [--rewrite-host]`: a proxy in
+    its own process (benchmarks: the proxy's work must not share the reader's GIL); prints its
+    endpoint, then serves until killed or until its parent exits."""
+    import argparse
+    import os
+    import sys
+    import time
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("upstream")
+    ap.add_argument("--latency", type=float, default=0.0)
+    ap.add_argument("--rewrite-host", action="store_true")
+    args = ap.parse_args()
+    proxy = FaultProxy(args.upstream, rewrite_host=args.rewrite_host)
+    proxy.faults.latency = args.latency
+    print(proxy.endpoint, flush=True)
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -54,6 +54,17 @@ class Server:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL when the process that started it dies, so a
+    test run killed before its teardown leaves no server behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _binary(name: str) -> str:
     here = os.path.join(os.path.dirname(sys.executable), name)
     found = here if os.path.exists(here) else shutil.which(name)
@@ -106,7 +117,7 @@ def start_seaweedfs(timeout: float = 60.0) -> Server:
     log = os.path.join(work, "weed.log")
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=work,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
     server = Server("SeaweedFS", endpoint, proc, work, log, {
         "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
@@ -131,7 +142,7 @@ def start_fake_gcs(timeout: float = 30.0) -> Server:
     log = os.path.join(work, "fake-gcs.log")
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=work,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
     server = Server("fake-gcs-server", endpoint, proc, work, log,
                     {"STORAGE_EMULATOR_HOST": endpoint})
     _wait(server, endpoint + "/storage/v1/b", timeout)
