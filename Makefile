@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(VENV)/bin/zephon bench
 	cd benchmarks && ../$(VENV)/bin/python pack.py && ../$(VENV)/bin/python pretokens.py && ../$(VENV)/bin/python batch_resume.py
 	cd benchmarks && ../$(VENV)/bin/python startup.py
+	cd benchmarks && ../$(VENV)/bin/python sft.py
 	cd benchmarks && ../$(VENV)/bin/python storage.py
 
 .PHONY: experiment
