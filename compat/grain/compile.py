@@ -295,8 +295,8 @@ def to_grain(op: _Op, memo: dict[int, Any]) -> Any:
             ds = p.seed(a["seed"])
         elif k == "shuffle":
             ds = p.shuffle(seed=a["seed"])
-        elif k == "repeat":
-            ds = p.repeat(a["num_epochs"])
+        elif k in ("repeat", "repeat_same"):
+            ds = p.repeat(a["num_epochs"], reseed_each_epoch=k == "repeat")
         elif k == "slice":
             ds = p.slice(a["slice"])
         elif k in ("map", "filter") and isinstance(a["transform"], Transform):
@@ -319,8 +319,8 @@ def to_grain(op: _Op, memo: dict[int, Any]) -> Any:
             ds = p.random_map(a["transform"], seed=a["seed"])
         elif k == "map_with_index":
             ds = p.map_with_index(a["transform"])
-        elif k == "to_iter_dataset":
-            ds = p.to_iter_dataset()
+        elif k in ("to_iter_dataset", "iter_nones"):
+            ds = p.to_iter_dataset(allow_nones=k == "iter_nones")
         elif k == "batch":
             if isinstance(p, grain.MapDataset) and any(o.kind == "filter" for o in op.upstream()):
                 p = p.to_iter_dataset()  # Grain requires this after filter; same elements

@@ -31,7 +31,7 @@ from .iterator import CollatingLoader, Iterator
 from .packing import pack_step
 from .pipeline import TailMixin
 from .records import elements
-from .tail import TAIL_ONLY
+from .tail import TAIL_ITER, TAIL_ONLY
 
 _ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset", "batch", "seed",
              "pack", *TAIL_ONLY)
@@ -115,7 +115,7 @@ class Dataset(TailMixin):
                             "packing step; move it before them (as in Grain).")
 
     def _in_iter(self) -> bool:
-        return any(o.kind in ("to_iter_dataset", "pack", *TAIL_ONLY) for o in self._op.upstream())
+        return any(o.kind in ("to_iter_dataset", "pack", *TAIL_ITER) for o in self._op.upstream())
 
     @property
     def packed(self) -> bool:
@@ -146,9 +146,8 @@ class Dataset(TailMixin):
         return self._then("shuffle", seed=s)
 
     def repeat(self, num_epochs: int | None = None, *, reseed_each_epoch: bool = True) -> Dataset:
-        if not reseed_each_epoch:
-            raise PlanError("repeat(reseed_each_epoch=False) is not supported: Zephon re-keys every "
-                            "epoch; repeat with a new shuffle per epoch (the default).")
+        if not reseed_each_epoch:  # Grain's: every epoch reads epoch 0's elements (`tail`)
+            return self._then("repeat_same", num_epochs=num_epochs)
         return self._then("repeat", num_epochs=num_epochs)
 
     def slice(self, sl: slice) -> Dataset:
@@ -229,9 +228,8 @@ class Dataset(TailMixin):
     def to_iter_dataset(self, read_options: Any = None, *, allow_nones: bool = False) -> Dataset:
         """Grain's switch to `IterDataset`; kept so pipelines read the same (Zephon needs no
         read threads here: runners parallelise whole steps)."""
-        if allow_nones:
-            raise PlanError("to_iter_dataset(allow_nones=True) is not supported; Zephon never "
-                            "emits filtered-out elements.")
+        if allow_nones:  # Grain's: the MapDataset's Nones are kept (read by index, `tail`)
+            return self._then("iter_nones")
         return self._then("to_iter_dataset")._read_options(read_options)
 
     def apply(self, transformations: Any) -> Dataset:
