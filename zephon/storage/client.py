@@ -224,8 +224,9 @@ def _short(msg: str, limit: int = 300) -> str:
 
 
 async def retrying(url: str, what: str, attempt_fn: Callable[[], Awaitable[T]],
-                   pol: StoragePolicy | None = None, limit_in_flight: bool = True) -> T:
-    """Runs one request with the policy's timeout, attempts and deadline (see retry.py)."""
+                   pol: StoragePolicy | None = None) -> T:
+    """Runs one request with the policy's timeout, attempts and deadline (see retry.py); at most
+    `concurrency` requests of the process are in flight (waiting for a slot is not timed)."""
     pol = pol or policy()
     start = time.monotonic()
     attempt, reasons = 0, []
@@ -233,12 +234,9 @@ async def retrying(url: str, what: str, attempt_fn: Callable[[], Awaitable[T]],
         attempt += 1
         left = pol.deadline - (time.monotonic() - start)
         try:
-            if limit_in_flight:
-                async with semaphore():
-                    STATS["requests"] += 1
-                    return await asyncio.wait_for(attempt_fn(), min(pol.timeout, max(left, 0.001)))
-            STATS["requests"] += 1
-            return await asyncio.wait_for(attempt_fn(), min(pol.timeout, max(left, 0.001)))
+            async with semaphore():
+                STATS["requests"] += 1
+                return await asyncio.wait_for(attempt_fn(), min(pol.timeout, max(left, 0.001)))
         except (ObjectChangedError, ObjectCorruptError):
             raise
         except Exception as e:
