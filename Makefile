@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e '.[all,test,lint]'
+	$(PIP) install --quiet -c constraints.txt -e '.[all,test,lint,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,13 +26,16 @@ test: $(STAMP)
 # packed LM) over its default matrix; the report goes to build/verify.{json,png}.
 # ruff over the tree; mypy over the installed package layout (zephon/ + backends/ as zephon.backends +
 # compat/ as zephon.compat), which build/typecheck/ mirrors with symlinks so mypy sees the real names.
-lint: $(STAMP)
+lint: $(STAMP) typecheck-tree
 	$(VENV)/bin/ruff check .
+	MYPYPATH=build/typecheck $(VENV)/bin/mypy -p zephon
+
+.PHONY: typecheck-tree
+typecheck-tree:
 	rm -rf build/typecheck && mkdir -p build/typecheck/zephon
 	for f in zephon/*; do ln -s ../../../$$f build/typecheck/zephon/; done
 	ln -s ../../../backends build/typecheck/zephon/backends
 	ln -s ../../../compat build/typecheck/zephon/compat
-	MYPYPATH=build/typecheck $(VENV)/bin/mypy -p zephon
 
 verify: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
@@ -41,6 +44,7 @@ verify: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/zephon bench
 	cd benchmarks && ../$(VENV)/bin/python pack.py && ../$(VENV)/bin/python pretokens.py
+	cd benchmarks && ../$(VENV)/bin/python startup.py
 
 .PHONY: experiment
 # Elastic training: a tiny LM trained at D = 1, 2, 4, 8 ranks with three loaders (~13 min on 2 cores);
@@ -57,3 +61,18 @@ soak: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+.PHONY: dist docs
+# The wheel and sdist (python -m build), then the wheel alone in a fresh venv with only the core
+# dependencies: a numpy loader runs and the CLI answers --help (what `pip install zephon-loader` gives).
+dist: $(STAMP)
+	rm -rf dist build/smoke-venv && mkdir -p build
+	$(PY) -m build --outdir dist . > build/dist.log 2>&1 || (cat build/dist.log; exit 1)
+	$(PYTHON) -m venv build/smoke-venv
+	build/smoke-venv/bin/python -m pip install --quiet -c constraints.txt dist/*.whl
+	cd build && smoke-venv/bin/python ../tests/smoke_wheel.py
+	build/smoke-venv/bin/zephon --help > /dev/null && echo "wheel smoke test: zephon --help ok"
+
+# The docs site (MkDocs, Material theme, API reference from the docstrings), warnings as errors.
+docs: $(STAMP) typecheck-tree
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site

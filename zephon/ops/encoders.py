@@ -163,7 +163,7 @@ def encoder(spec: Any) -> HFEncoder | TiktokenEncoder:
     try:
         import tokenizers
     except ImportError as e:  # pragma: no cover - the [lm] extra
-        raise PlanError("Tokenize needs Hugging Face `tokenizers`: pip install 'zephon[lm]'") from e
+        raise PlanError("Tokenize needs Hugging Face `tokenizers`: pip install 'zephon-loader[lm]'") from e
     if isinstance(spec, tokenizers.Tokenizer):
         return HFEncoder(spec)
     path = os.fspath(spec)
