@@ -43,7 +43,7 @@ verify: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/zephon bench
-	cd benchmarks && ../$(VENV)/bin/python pack.py && ../$(VENV)/bin/python pretokens.py && ../$(VENV)/bin/python batch_resume.py
+	cd benchmarks && ../$(VENV)/bin/python pack.py && ../$(VENV)/bin/python pretokens.py && ../$(VENV)/bin/python batch_resume.py && ../$(VENV)/bin/python tokenize_real.py
 	cd benchmarks && ../$(VENV)/bin/python startup.py
 
 .PHONY: experiment

@@ -6,7 +6,8 @@ An `Encoder` answers what `Tokenize` and its pre-token cache (`zephon.ops.pretok
   `Tokenizer.encode_batch(texts, add_special_tokens=False)`, tiktoken's `encode_ordinary_batch`
   (special tokens' text is ordinary text, as in any corpus).
 - `encode_pieces(pieces)`: each piece encoded as one pre-token, without the regex: the BPE
-  applied to its bytes (what the tokenizer does to each piece its regex cuts).
+  applied to its bytes (what the tokenizer does to each piece its regex cuts), as (the ids of
+  all pieces concatenated, each piece's number of ids).
 - `structure()`: (regex, its dialect, normalization form or None) when the tokenizer's ids are
   its pieces' ids concatenated, else the reason why not.
 - `identity()`: what makes ids differ (a hash of the tokenizer's JSON; for tiktoken the encoding's
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -40,6 +42,12 @@ def _sha256(data: bytes) -> str:
 
 def _ids(lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
     return [np.array(x, np.int32) for x in lists]
+
+
+def _flat(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(all ids concatenated, each list's length): no array per piece."""
+    lens = np.fromiter(map(len, lists), np.int64, len(lists))
+    return np.fromiter(itertools.chain.from_iterable(lists), np.int32, int(lens.sum())), lens
 
 
 class HFEncoder:
@@ -68,7 +76,7 @@ class HFEncoder:
         fast = getattr(self.tokenizer, "encode_batch_fast", None) or self.tokenizer.encode_batch
         return [np.array(e.ids, np.int32) for e in fast(list(texts), add_special_tokens=False)]
 
-    def encode_pieces(self, pieces: Sequence[str]) -> list[np.ndarray]:
+    def encode_pieces(self, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         if self._pieces is None:  # the same model with a byte-level pre-tokenizer that does not split
             import tokenizers
 
@@ -78,7 +86,7 @@ class HFEncoder:
                                     "use_regex": False}
             self._pieces = tokenizers.Tokenizer.from_str(json.dumps(cfg))
         fast = getattr(self._pieces, "encode_batch_fast", None) or self._pieces.encode_batch
-        return [np.array(e.ids, np.int32) for e in fast(list(pieces), add_special_tokens=False)]
+        return _flat([e.ids for e in fast(list(pieces), add_special_tokens=False)])
 
     def structure(self) -> Structure | str:
         cfg = json.loads(self.json)
@@ -126,9 +134,8 @@ class TiktokenEncoder:
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         return _ids(self.encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1))
 
-    def encode_pieces(self, pieces: Sequence[str]) -> list[np.ndarray]:
-        one = self.encoding._encode_single_piece
-        return [np.array(one(p), np.int32) for p in pieces]
+    def encode_pieces(self, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        return _flat(list(map(self.encoding._encode_single_piece, pieces)))
 
     def structure(self) -> Structure | str:
         return self.encoding._pat_str, "fancy", None

@@ -74,6 +74,18 @@ def unicode_checked(kind: str = "tokenizers") -> bool:
     return (kind, unicodedata.unidata_version, version) in UNICODE_CHECKED
 
 
+class _Index(dict[str, int]):
+    """Piece -> its row in the cache's arrays; a piece not in it gets the next row, and is noted
+    in `new` (for the caller to encode)."""
+
+    new: list[str]
+
+    def __missing__(self, piece: str) -> int:
+        self.new.append(piece)
+        row = self[piece] = len(self)
+        return row
+
+
 class PretokenCache:
     """Encodes texts as the tokenizer's own batched encode would, from cached ids of their pieces.
 
@@ -100,7 +112,7 @@ class PretokenCache:
         self.active = True
 
     def _reset(self) -> None:
-        self._index: dict[str, int] = {}
+        self._index = _Index()
         self._ids = np.zeros(0, np.int32)
         self._start = np.zeros(0, np.int64)
         self._len = np.zeros(0, np.int64)
@@ -150,8 +162,7 @@ class PretokenCache:
         if not mine:
             return out
         self.served += len(mine)
-        index, ids, start, length = self._lookup(pieces)
-        idx = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
+        idx, ids, start, length = self._lookup(pieces)
         lens = length[idx]
         ends = np.cumsum(lens)
         total = int(ends[-1]) if len(ends) else 0
@@ -172,33 +183,36 @@ class PretokenCache:
             log.info("pre-token cache: %d of %d pieces missed; encoding with the tokenizer alone from now on",
                      self.misses, self.pieces)
 
-    def _lookup(self, pieces: list[str]) -> tuple[dict[str, int], np.ndarray, np.ndarray, np.ndarray]:
-        """Arrays holding every one of `pieces` (new ones encoded first) and their index.
+    def _lookup(self, pieces: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Each piece's index into arrays (ids, start, length) that hold them all, new ones
+        encoded first: one C-level dict lookup a piece, Python only for the misses.
 
-        The cache's own when it has room for the new pieces; else the cache starts over with as
-        many of this window's pieces as fit, and the rest are held for this call only. Arrays are
-        replaced, never changed in place, so a caller can read them after the lock is released.
+        The cache's own arrays when it has room for the new pieces; else the cache starts over
+        with as many of this window's pieces as fit, and the rest are held for this call only.
+        Arrays are replaced, never changed in place, so a caller can read them after the lock is
+        released.
         """
         with self._lock:
-            missing = list(set(pieces).difference(self._index))
-            self._count(len(pieces), len(missing))
-            if not missing:
-                return self._index, self._ids, self._start, self._len
-            if len(self._index) + len(missing) > self.capacity:
+            index = self._index
+            index.new = []
+            idx = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
+            self._count(len(pieces), len(index.new))
+            if not index.new:
+                return idx, self._ids, self._start, self._len
+            if len(index) > self.capacity:  # start over, with this window's pieces only
                 self._reset()
-                missing = list(set(pieces))
-            keep = max(0, min(len(missing), self.capacity - len(self._index)))
-            new = self.enc.encode_pieces(missing)
-            lens = np.fromiter(map(len, new), np.int64, len(new))
-            base, n = len(self._index), len(self._ids)
-            ids = np.concatenate([self._ids, *new])
+                index = self._index
+                index.new = []
+                idx = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
+            missing = index.new
+            flat, lens = self.enc.encode_pieces(missing)
+            n = len(self._ids)
+            ids = np.concatenate([self._ids, flat])
             start = np.concatenate([self._start, n + np.cumsum(lens) - lens])
             length = np.concatenate([self._len, lens])
-            index = self._index
-            if keep < len(missing):  # over capacity within one window: the rest only for this call
-                index = dict(index)
-                index.update(zip(missing, range(base, base + len(missing))))
-            self._index.update(zip(missing[:keep], range(base, base + keep)))
-            kept = int(lens[:keep].sum())
-            self._ids, self._start, self._len = ids[:n + kept], start[:base + keep], length[:base + keep]
-            return index, ids, start, length
+            keep = len(start) - max(0, len(index) - self.capacity)
+            for p in missing[len(missing) - (len(start) - keep):]:  # over capacity within a window
+                del index[p]
+            self._ids, self._start, self._len = ids[:int(start[keep - 1] + length[keep - 1]) if keep else 0], \
+                start[:keep], length[:keep]
+            return idx, ids, start, length
