@@ -4,7 +4,7 @@ The sequence of global batches is a pure function of the plan and the step. It d
 with the number of devices, hosts, workers, the micro-batch size, the backend, or a stop/resume.
 """
 
-from zephon.checkpoint import load_state, save_state
+from zephon.checkpoint import load_state, resign_state, save_state
 from zephon.errors import DecodeError, PlanError, SourceError, StateError, WorkerError, ZephonError
 from zephon.exec.loader import Loader, LocalBatch, merge_states
 from zephon.exec.state import LaneState
@@ -17,6 +17,6 @@ __all__ = [
     "Accumulator", "Batch", "DecodeError", "Filter", "FlatMap", "LaneState", "Lanes", "Loader",
     "LocalBatch", "Map", "Mix", "Node", "Operator", "Plan", "PlanError", "RandomMap", "Refs",
     "Repeat", "Shuffle", "Skip", "Slice", "Source", "SourceError", "StateError", "Step", "Take",
-    "Transform", "WorkerError", "ZephonError", "load_state", "merge_states", "save_state",
+    "Transform", "WorkerError", "ZephonError", "load_state", "merge_states", "resign_state", "save_state",
 ]
 __version__ = "0.2.0"

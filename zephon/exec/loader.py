@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon.checkpoint import STATE_VERSION, check_state_version
+from zephon.checkpoint import STATE_VERSION, check_state_version, state_checksum
 from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.batch import LocalBatch, check_micro_count
 from zephon.exec.lanes import LaneEngine
@@ -196,6 +196,7 @@ class Loader:
         """Batches start, start+stride, ... with grouped reads, for splitting steps among
         workers (worker w of W takes `strided(first + w, W)`). Leaves `self.step` alone."""
         self._need_random_access("strided()")
+        start = self.plan.check_step(start, "strided() start")
         n = self.plan.num_steps
         if n is not None and start >= n:
             return
@@ -205,6 +206,7 @@ class Loader:
     def batch(self, step: int) -> LocalBatch:
         """Random access to global batch `step` (random-access pipelines only)."""
         self._need_random_access(f"batch({step})")
+        step = self.plan.check_step(step)
         cols, refs = self._task(step)
         return self._batch(step, cols, refs)
 
@@ -255,10 +257,9 @@ class Loader:
         if not self.random_access:
             raise StateError(f"seek() needs random access to steps, which {self._why()} prevents; "
                              "restore a saved state instead.")
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise PlanError(f"step must be a non-negative integer, got {step!r}")
+        step = self.plan.check_step(step)
         self._stop_pending()
-        self._step = int(step)
+        self._step = step
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Continues from `state` (saved at any data-parallel degree of the same plan)."""
@@ -288,6 +289,10 @@ class Loader:
         step = position.get("step") if isinstance(position, Mapping) else None
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateError(f"the state's step {step!r} is not a non-negative integer")
+        if step > self.plan.max_step:
+            raise StateError(f"the state's step {step} is beyond the last step this plan addresses "
+                             f"({self.plan.max_step}, from 2**62 positions); the state was edited or "
+                             "is corrupt — restore an earlier checkpoint.")
         lanes = position.get("lanes")
         if not isinstance(lanes, Mapping):
             raise StateError(f"the state's 'lanes' is {type(lanes).__name__}, expected an object "
@@ -304,7 +309,8 @@ class Loader:
                              "that this rank owns; merge every rank's state with merge_states() "
                              "before restoring at a different data-parallel degree.")
         limits = [self.plan.lanes.branch_length(b) for b in range(self.branches)]
-        parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix, limits)
+        parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix, limits,
+                                      self.plan.lanes.max_index)
                   for l in self.owned]
         if self.random_access:
             for l, st in zip(self.owned, parsed):
@@ -332,10 +338,18 @@ def check_state(state: Any) -> None:
         raise StateError("not a Zephon loader state (no 'zephon_state' key); pass the dict that "
                          "Loader.state() (or state_dict()/get_state()) returned.")
     check_state_version(state)
+    if state["zephon_state"] == 2:
+        raise StateError(f"this state has format 2 (before checksums); this Zephon reads format "
+                         f"{STATE_VERSION}. Upgrade its file with `zephon state resign FILE` (after "
+                         "checking it is the checkpoint you mean), then load it again.")
     if state["zephon_state"] != STATE_VERSION:
         raise StateError(f"this state has format {state['zephon_state']!r}; this Zephon reads format "
                          f"{STATE_VERSION}. It was written by an older Zephon: restart from step 0 "
                          "or resume with the version that wrote it.")
+    if "checksum" in state and state["checksum"] != state_checksum(state):
+        raise StateError("this state fails its 'checksum': it changed after save_state wrote it (a "
+                         "flipped bit or an edit) and could resume another stream. Load the file with "
+                         "load_state(); if you edited it on purpose, `zephon state resign FILE`.")
     step = state.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise StateError(f"checkpoint step {step!r} is not a non-negative integer")
@@ -356,7 +370,17 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             if s.get(key) != head.get(key):
                 raise StateError(f"cannot merge states with different {key}: "
                                  f"{s.get(key)!r} != {head.get(key)!r}")
-    head["lanes"] = {k: v for s in states for k, v in s["lanes"].items()}
+    lanes: dict[str, Any] = {}
+    for i, s in enumerate(states):
+        for k, v in s["lanes"].items():
+            if k in lanes and lanes[k] != v:  # the result would depend on the argument order
+                raise StateError(f"cannot merge: lane {k} appears in two states with different "
+                                 f"positions ({lanes[k]!r} and, in state {i}, {v!r}); they were not "
+                                 "taken at the same step of one run. Merge the states every rank "
+                                 "saved at one step.")
+            lanes[k] = v
+    head.pop("checksum", None)  # a file's checksum: the merged document is a new one
+    head["lanes"] = lanes
     return head
 
 

@@ -1,0 +1,205 @@
+"""Issue 23: inputs a hostile user tried — positions past 2**62, huge mix counters and steps, a
+flipped bit in a state file, overlapping merges — are refused with a Zephon error, never wrapped
+round or resumed silently. Every test runs under a deadline (a hang fails, it does not stall)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from _helpers import deadline
+
+import zephon as z
+from zephon import Filter, Loader, Mix, PlanError, Source, StateError, load_state, merge_states, save_state
+from zephon.checkpoint import STATE_VERSION
+from zephon.sources.memory import ArraySource
+
+
+@pytest.fixture(autouse=True)
+def _time_limit():
+    with deadline(60):
+        yield
+
+
+def _shuffled(lanes=8, batch=8):
+    return Source(1000).shuffle(1).repeat().lanes(lanes).batch(batch)
+
+
+def _src(n=1000):
+    return ArraySource({"x": np.arange(n, dtype=np.int64)})
+
+
+# --- 1. positions never wrap round -------------------------------------------------------------
+def test_random_access_refuses_steps_whose_positions_wrap():
+    plan = _shuffled()
+    l = Loader(plan, _src())
+    assert plan.max_step == 2**62 // 8 - 1
+    last = l.batch(plan.max_step).data["x"]  # the last addressable step still works
+    assert last.shape == (8,)
+    for step in (2**61, 2**62, 2**63, 2**64):
+        with pytest.raises(PlanError, match="beyond the last step"):
+            l.batch(step)
+        with pytest.raises(PlanError, match="beyond the last step"):
+            Loader(plan, _src(), start_step=step)
+        with pytest.raises(PlanError, match="beyond the last step"):
+            plan.refs(step)
+    with pytest.raises(PlanError, match="2\\*\\*62"):
+        plan.lanes.resolve([2**63])  # no raw OverflowError from numpy
+
+
+def test_restore_refuses_steps_and_cursors_past_the_bound():
+    plan = _shuffled()
+    state = Loader(plan, _src()).state()
+    for step in (2**61, 2**63, 2**70):
+        s = json.loads(json.dumps(state))
+        s["step"] = step
+        s["lanes"] = {k: {"cursor": [step], "skip": [0]} for k in s["lanes"]}
+        with pytest.raises(StateError, match="beyond the last step"):
+            Loader(plan, _src()).restore(s)
+
+
+def test_filter_pipeline_refuses_cursors_that_would_wrap():
+    plan = _shuffled()
+    keep = Filter(lambda r: r["x"] % 2 == 0, name="even", version=1)
+    l = Loader(plan, _src(), [keep])
+    next(l)
+    state = l.state()
+    state["lanes"] = {k: {**v, "cursor": [2**61]} for k, v in state["lanes"].items()}
+    with pytest.raises(StateError, match="invalid 'cursor'.*below"):
+        Loader(plan, _src(), [keep]).restore(state)
+
+
+# --- 2. token-mix counters count in integers ---------------------------------------------------
+def _token_mix():
+    plan = Mix([Source(64, id=0).repeat(), Source(64, id=1).repeat()], [1, 1], by="tokens").lanes(2).batch(16)
+    one_token = ArraySource({"tokens": np.zeros((64, 1), np.int32)})
+    return plan, [one_token, one_token]
+
+
+def test_token_mix_counters_past_2_53_still_balance():
+    plan, srcs = _token_mix()
+    l = Loader(plan, srcs)
+    next(l)
+    state = l.state()
+    for lane in state["lanes"].values():
+        lane["mix"] = [2**53 + c for c in lane["mix"]]
+    r = Loader(plan, srcs)
+    r.restore(state)
+    sources = np.bincount(next(r).refs.source, minlength=2)
+    assert sources.tolist() == [8, 8]  # float64 counters: 2**53 + 1 == 2**53, all 16 rows from source 0
+
+
+def test_token_mix_counter_without_a_read_input_is_refused():
+    plan, srcs = _token_mix()
+    state = Loader(plan, srcs).state()
+    state["lanes"]["0"]["mix"] = [5, 0]
+    with pytest.raises(StateError, match="has not read an input"):
+        Loader(plan, srcs).restore(state)
+
+
+# --- 3. the step of a count-changing pipeline is bounded ---------------------------------------
+def test_step_of_a_count_changing_pipeline_is_bounded(tmp_path):
+    plan, srcs = _token_mix()
+    l = Loader(plan, srcs)
+    next(l)
+    state = l.state()
+    state["step"] = 2**70
+    with pytest.raises(StateError, match="beyond the last step"):
+        Loader(plan, srcs).restore(state)
+    save_state(tmp_path / "s.json", state)  # saving is not checking; restoring the file is refused
+    with pytest.raises(StateError, match="beyond the last step"):
+        Loader(plan, srcs).restore(load_state(tmp_path / "s.json"))
+
+
+# --- 4. a state file carries a checksum --------------------------------------------------------
+def test_every_single_bit_flip_of_a_state_file_is_refused(tmp_path):
+    plan = _shuffled()
+    keep = Filter(lambda r: r["x"] % 3 != 0, name="thirds", version=1)
+    l = Loader(plan, _src(), [keep])
+    for _ in range(3):
+        next(l)
+    path = tmp_path / "s.json"
+    save_state(path, l.state())
+    data = path.read_bytes()
+    assert load_state(path)["zephon_state"] == STATE_VERSION == 3
+    accepted = []
+    for i in range(len(data)):
+        for bit in range(7):  # ASCII text: flipping bit 7 always breaks UTF-8 (refused already)
+            flipped = bytearray(data)
+            flipped[i] ^= 1 << bit
+            one = tmp_path / f"{i}.{bit}.json"  # a new file each: rewriting one is slower
+            one.write_bytes(bytes(flipped))
+            try:
+                load_state(one)
+            except z.ZephonError:
+                continue
+            accepted.append((i, bit, bytes(flipped[max(0, i - 10):i + 10])))
+    assert accepted == []  # before checksums, cursor [11] -> [10] (bit 0 of '1') resumed elsewhere
+
+
+def test_a_hand_edit_is_refused_until_resigned(tmp_path, capsys):
+    from zephon.cli import main
+
+    plan = _shuffled()
+    l = Loader(plan, _src())
+    next(l)
+    path = tmp_path / "s.json"
+    save_state(path, l.state())
+    doc = json.loads(path.read_text())
+    doc["step"] = 5
+    doc["lanes"] = {k: {"cursor": [5], "skip": [0]} for k in doc["lanes"]}
+    path.write_text(json.dumps(doc, indent=2))
+    with pytest.raises(StateError, match="fails its checksum.*zephon state resign"):
+        load_state(path)
+    assert main(["state", "resign", str(path)]) == 0
+    r = Loader(plan, _src())
+    r.restore(load_state(path))
+    assert r.step == 5
+    del doc["checksum"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(StateError, match="has no 'checksum'"):
+        load_state(path)
+    doc["zephon_state"] = 2  # a state from before checksums: resigning upgrades it
+    path.write_text(json.dumps(doc))
+    with pytest.raises(StateError, match="format 2.*resign"):
+        Loader(plan, _src()).restore(load_state(path))
+    z.resign_state(path)
+    assert load_state(path)["zephon_state"] == STATE_VERSION
+
+
+def test_reindenting_a_state_file_keeps_it_valid(tmp_path):
+    path = tmp_path / "s.json"
+    save_state(path, Loader(_shuffled(), _src()).state())
+    path.write_text(json.dumps(json.loads(path.read_text()), indent=4))
+    assert load_state(path)["step"] == 0
+
+
+# --- 9. merge_states refuses overlapping lanes that differ -------------------------------------
+def test_merge_refuses_overlaps_that_differ_and_accepts_equal_ones():
+    plan = _shuffled()
+    keep = Filter(lambda r: r["x"] % 3 != 0, name="thirds", version=1)
+    a, b = (Loader(plan, _src(), [keep], rank=r, world=2) for r in range(2))
+    next(a), next(b)
+    sa, sb = a.state(), b.state()
+    whole = merge_states([sa, sb])
+    assert merge_states([sb, sa])["lanes"] == whole["lanes"]
+    assert merge_states([sa, whole])["lanes"] == whole["lanes"]  # equal overlaps are fine
+    forged = json.loads(json.dumps(sb))
+    forged["lanes"]["0"] = {**sa["lanes"]["0"], "cursor": [sa["lanes"]["0"]["cursor"][0] + 1]}
+    with pytest.raises(StateError, match="lane 0 appears in two states"):
+        merge_states([sa, forged])
+    with pytest.raises(StateError, match="lane 0 appears in two states"):
+        merge_states([forged, sa])
+
+
+# --- 5. no raw exceptions from load_state or a plan file ---------------------------------------
+@pytest.mark.parametrize("text, what", [("[" * 10**6, "nested too deeply"), ('{"step": ' + "9" * 5001 + "}",
+                                                                           "number it cannot hold")])
+def test_load_state_of_deep_nesting_or_a_huge_number_is_a_state_error(tmp_path, text, what):
+    path = tmp_path / "s.json"
+    path.write_text(text)
+    with pytest.raises(StateError, match=what):
+        load_state(path)
+    with pytest.raises(PlanError, match=what):
+        z.Node.from_json(text)
