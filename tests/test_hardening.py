@@ -125,7 +125,7 @@ def test_every_single_bit_flip_of_a_state_file_is_refused(tmp_path):
     assert load_state(path)["zephon_state"] == STATE_VERSION == 3
     accepted = []
     for i in range(len(data)):
-        for bit in range(7):  # ASCII text: flipping bit 7 always breaks UTF-8 (refused already)
+        for bit in (0, 1, 5):  # digit +-1/2 ('11' -> '10'), case of a key; bit 7 breaks UTF-8 anyway
             flipped = bytearray(data)
             flipped[i] ^= 1 << bit
             one = tmp_path / f"{i}.{bit}.json"  # a new file each: rewriting one is slower
@@ -203,3 +203,72 @@ def test_load_state_of_deep_nesting_or_a_huge_number_is_a_state_error(tmp_path, 
         load_state(path)
     with pytest.raises(PlanError, match=what):
         z.Node.from_json(text)
+
+
+def _jsonl(tmp_path, name, rows):
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_jsonl_deep_nesting_and_lone_surrogates_are_decode_errors_naming_the_line(tmp_path):
+    from zephon.sources.jsonl import JsonlSource
+
+    deep = _jsonl(tmp_path, "deep.jsonl", [{"v": 1}, '{"v": ' + "[" * 10**5 + "]" * 10**5 + "}"])
+    with pytest.raises(z.DecodeError, match=r"deep.jsonl: line 2 \(record 1\): not valid JSON \(nested too deeply"):
+        JsonlSource(deep, schema={"v": "any"}).read(np.array([1]))
+    bad = _jsonl(tmp_path, "bad.jsonl", [{"t": "ok"}, '{"t": "bad \\ud800 text"}'])
+    src = JsonlSource(bad)
+    assert src.read(np.array([0]))["t"].tolist() == ["ok"]
+    with pytest.raises(z.DecodeError, match=r"bad.jsonl: line 2 \(record 1\): field 't' holds a lone surrogate"):
+        src.read(np.array([1]))
+    pair = _jsonl(tmp_path, "pair.jsonl", ['{"t": "smile \\ud83d\\ude00"}'])  # a whole pair is text
+    assert JsonlSource(pair).read(np.array([0]))["t"].tolist() == ["smile \U0001F600"]
+
+
+def test_tokenize_names_the_record_with_a_lone_surrogate():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from zephon.columns import objects
+    from zephon.ops.tokenize import Tokenize
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "bad": 1, "text": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    src = ArraySource({"text": objects(["bad text"] * 7 + ["bad \ud800 text"])})
+    with pytest.raises(z.DecodeError, match="record 7 of source 0: field 'text' holds a lone surrogate"):
+        next(Loader(Source(8).lanes(1).batch(8), src, [Tokenize(tok)]))
+
+
+def test_parquet_text_that_is_not_utf8_is_a_decode_error_naming_row_and_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from zephon.sources.parquet import ParquetSource
+
+    offsets = np.array([0, 5, 10, 15], np.int32)
+    text = pa.Array.from_buffers(pa.string(), 3, [None, pa.py_buffer(offsets.tobytes()),
+                                                  pa.py_buffer(b"hello\xffelloworld")])
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(pa.table({"text": text, "n": [1, 2, 3]}), path)  # no page checksums
+    src = ParquetSource(path, verify_checksums=False)
+    with pytest.raises(z.DecodeError, match=r"t.parquet: record 1 \(row 1 of row group 0\): column 'text'"):
+        src.read(np.arange(3))
+
+
+# --- 6. the schema decides a column's dtype, whatever lines a read touches ---------------------
+def test_jsonl_list_column_keeps_its_dtype_or_the_read_is_refused(tmp_path):
+    from zephon.sources.jsonl import JsonlSource
+
+    big = _jsonl(tmp_path, "big.jsonl", [{"v": [i, i + 1] if i != 150 else [1, 2**64]} for i in range(200)])
+    src = JsonlSource(big)
+    first = src.read(np.arange(10))["v"]
+    assert first.dtype == np.int64 and first.shape == (10, 2)
+    with pytest.raises(z.DecodeError, match=r"big.jsonl: line 151 \(record 150\): field 'v' holds a number beyond"):
+        src.read(np.arange(145, 155))
+    grows = _jsonl(tmp_path, "grows.jsonl", [{"v": [i] * (4 if i < 150 else 5)} for i in range(200)])
+    src = JsonlSource(grows)
+    assert src.read(np.arange(8))["v"].shape == (8, 4)
+    with pytest.raises(z.DecodeError, match=r"line 151 \(record 150\): field 'v' has 5 elements.*ragged=\['v'\]"):
+        src.read(np.arange(146, 154))
+    ragged = JsonlSource(grows, ragged=["v"]).read(np.arange(146, 154))["v"]
+    assert ragged.dtype == object and ragged.shape == (8,)

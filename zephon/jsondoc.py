@@ -12,18 +12,19 @@ from collections.abc import Callable
 from typing import Any
 
 
-def loads(text: str) -> Any:
-    """`json.loads` whose only failure is a `json.JSONDecodeError`: text nested deeper than the
-    decoder recurses (`"[" * 10**6`) or a number of more than 4,300 digits raise other builtins
-    (RecursionError, ValueError) that would escape a caller's handling of bad JSON."""
+def loads(text: str | bytes) -> Any:
+    """`json.loads` whose only failures are `json.JSONDecodeError` (and `UnicodeDecodeError` for
+    bytes): text nested deeper than the decoder recurses (`"[" * 10**6`) or a number of more than
+    4,300 digits raise other builtins (RecursionError, ValueError) that would escape a caller's
+    handling of bad JSON."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise
     except RecursionError:
-        raise json.JSONDecodeError("nested too deeply to parse", text, 0) from None
+        raise json.JSONDecodeError("nested too deeply to parse", "", 0) from None
     except ValueError as e:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
-        raise json.JSONDecodeError(f"a number it cannot hold ({e})", text, 0) from None
+        raise json.JSONDecodeError(f"a number it cannot hold ({e})", "", 0) from None
 
 
 def json_object(doc: Any, invalid: Callable[[json.JSONDecodeError], Exception],

@@ -12,7 +12,6 @@ read touched, and so of the number of ranks.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -23,6 +22,7 @@ import numpy as np
 
 from ..columns import flatten, objects, stack
 from ..errors import DecodeError, SourceError
+from ..jsondoc import loads
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
@@ -80,6 +80,18 @@ def _foreign(path: str) -> str:
     return f" It looks like {what}, not JSON Lines."
 
 
+def _surrogate(flat: Mapping[str, Any]) -> str | None:
+    """The first field whose text (or a text in its list) holds a lone surrogate, or None."""
+    for name, value in flat.items():
+        for text in value if type(value) is list else (value,):
+            if type(text) is str and not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    return name
+    return None
+
+
 class JsonlSource(FileHandles):
     """One JSON object per line; files are concatenated in order into one record numbering.
 
@@ -88,8 +100,10 @@ class JsonlSource(FileHandles):
     of every other file is checked against it at construction). `src.schema` shows it: pass it back as
     `schema=` to pin it. Every line read must have exactly the schema's fields with values of
     their kinds. Columns: int -> int64, float -> float64, bool -> bool, str/any -> object;
-    lists stack to a 2-D array when the rows of a read agree in length — name variable-length
-    fields in `ragged` to get object arrays in every read.
+    a list field is a 2-D array of its element type in every read, and a line whose list has
+    another length is a `DecodeError` — unless the field is ragged: named in `ragged`, or (with
+    an inferred schema) of varying length in the inferred lines; ragged fields are object arrays
+    in every read.
 
     Each file's identity (inode, size, mtime) is checked after every read: a file rewritten
     under a running job is a `SourceError` naming it.
@@ -144,6 +158,7 @@ class JsonlSource(FileHandles):
         left for `read` to report."""
         kinds: dict[str, str] = {}
         first_seen: dict[str, int] = {}
+        lengths: dict[str, set[int]] = {}  # list fields: the lengths the inferred lines have
         keys: tuple[str, ...] | None = None
         first_record, problem = -1, ""
         odd: list[str] = []
@@ -179,6 +194,8 @@ class JsonlSource(FileHandles):
                     continue
                 first_seen.setdefault(name, record)
                 kinds[name] = merged
+                if type(value) is list:
+                    lengths.setdefault(name, set()).add(len(value))
         if keys is None:
             if not window:
                 self._schema_origin = "empty files"
@@ -189,6 +206,9 @@ class JsonlSource(FileHandles):
                               f"{_foreign(path)} Pass JSON Lines files.")
         self._schema_origin = (f"the schema inferred from {self._where(first_record)} .. line "
                                f"{self._line_number(begin + window - 1)}")
+        # Lists whose length varies in the inferred lines are ragged in every read (object
+        # arrays), not 2-D in the reads whose lines happen to agree.
+        self.ragged = self.ragged | {k for k, n in lengths.items() if len(n) > 1}
         schema = {}
         for name in keys:
             kind = kinds.get(name, "any")  # null in every inferred line: no type to check
@@ -299,7 +319,7 @@ class JsonlSource(FileHandles):
                               "indexed; it changed after the source was built. Rebuild the "
                               "source after the file is complete.") from err
         try:
-            row = json.loads(line)
+            row = loads(line)
         except UnicodeDecodeError as e:
             raise DecodeError(f"{self._where(record)}: not UTF-8 text (byte 0x{line[e.start]:02x} "
                               f"at column {e.start + 1}); JSON Lines files must be UTF-8. "
@@ -311,6 +331,12 @@ class JsonlSource(FileHandles):
         if not isinstance(row, dict):
             raise DecodeError(f"{self._where(record)}: is a JSON {type(row).__name__}, but "
                               "each line must be a JSON object (field name -> value).")
+        if b"\\ud" in line.lower() or b"\xed" in line:  # a surrogate escape, or one in UTF-8 bytes
+            name = _surrogate(flatten(row))
+            if name is not None:
+                raise DecodeError(f"{self._where(record)}: field {name!r} holds a lone surrogate (a "
+                                  "\\ud800-\\udfff escape without its pair), which is not text: "
+                                  "fix that line (its writer cut a UTF-16 pair in two).")
         return row
 
     # --- reading -------------------------------------------------------------------------------
@@ -346,9 +372,24 @@ class JsonlSource(FileHandles):
                 raise DecodeError(f"{self._where(int(idx[bad]))}: field {name!r} is {values[bad]}, "
                                   "beyond int64; store it as a string, or pass "
                                   f"schema={{{name!r}: 'any'}}.") from None
-        arr = stack(values)
-        if arr.dtype != object and kind in ("list[int]", "list[float]", "list[bool]"):
-            arr = arr.astype({"list[int]": np.int64, "list[float]": np.float64,
-                              "list[bool]": np.bool_}[kind], copy=False)
-        return arr
+        # A list field not named in `ragged` is a 2-D column of the schema's element type in
+        # every read; a read that cannot give one is refused, never turned into objects (its dtype
+        # would then depend on which lines the read touched).
+        n = len(values[0])
+        odd = next((i for i, v in enumerate(values) if len(v) != n), None)
+        if odd is not None:
+            raise DecodeError(f"{self._where(int(idx[odd]))}: field {name!r} has {len(values[odd])} "
+                              f"elements but {self._where(int(idx[0]))} has {n}; a list field has one "
+                              f"length in every line unless it is ragged: pass ragged=[{name!r}] "
+                              "(object arrays in every read), or fix the data.")
+        dtype = {"list[int]": np.int64, "list[float]": np.float64, "list[bool]": np.bool_}.get(kind)
+        if dtype is None:
+            return stack(values)
+        try:
+            return np.array(values, dtype=dtype).reshape(len(values), n)
+        except (OverflowError, ValueError, TypeError):
+            bad = next((i for i, v in enumerate(values) if any(not -2**63 <= x < 2**63 for x in v)), 0)
+            raise DecodeError(f"{self._where(int(idx[bad]))}: field {name!r} holds a number beyond "
+                              f"{kind[5:-1]}64 ({short(values[bad])}); store such values as strings, or "
+                              f"pass schema={{{name!r}: 'list'}} (an object column).") from None
 

@@ -223,9 +223,18 @@ class ParquetSource(FileHandles):
         return decoded
 
     def _convert(self, table: Any, locate: Callable[[int], str]) -> Columns:
+        import pyarrow as pa
+
         out: Columns = {}
         for name, column in zip(table.column_names, table.columns):
-            _convert_array(name, column.combine_chunks(), self.list_lengths.get(name), locate, out)
+            arr = column.combine_chunks()
+            try:
+                _convert_array(name, arr, self.list_lengths.get(name), locate, out)
+            except pa.ArrowException as e:  # e.g. text that is not UTF-8 in a file without checksums
+                raise DecodeError(f"{_bad_row(name, arr, locate)}: column {name!r} cannot be decoded "
+                                  f"({str(e).strip()}); the file holds damaged or mistyped data. "
+                                  "Rewrite it (write_parquet adds page checksums), or leave the "
+                                  "column out with `columns=`.") from e
         return out
 
 
@@ -272,6 +281,20 @@ def _convert_array(name: str, arr: Any, list_length: int | None, locate: Callabl
                                     count=len(arr)) if len(arr) else np.empty(0, dtype=object)
     else:
         out[name] = arr.to_numpy(zero_copy_only=False)
+
+
+def _bad_row(name: str, arr: Any, locate: Callable[[int], str]) -> str:
+    """Where the first row of `arr` that does not convert is (error path only: row by row)."""
+    import pyarrow as pa
+
+    for i in range(len(arr)):
+        try:
+            _convert_array(name, arr.slice(i, 1), None, locate, {})
+        except pa.ArrowException:
+            return locate(i)
+        except DecodeError:
+            continue
+    return locate(0).split(": record")[0]
 
 
 def _values(name: str, arr: Any, locate: Callable[[int], str]) -> np.ndarray:
