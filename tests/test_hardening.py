@@ -272,3 +272,94 @@ def test_jsonl_list_column_keeps_its_dtype_or_the_read_is_refused(tmp_path):
         src.read(np.arange(146, 154))
     ragged = JsonlSource(grows, ragged=["v"]).read(np.arange(146, 154))["v"]
     assert ragged.dtype == object and ragged.shape == (8,)
+
+
+# --- 10. no silent fallbacks, no late errors ---------------------------------------------------
+def test_torch_loader_under_torchrun_env_without_init_process_group_is_refused(monkeypatch):
+    tb = pytest.importorskip("zephon.backends.torch")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlanError, match="torchrun.*init_process_group"):
+        tb.TorchLoader(_shuffled(), _src())
+    assert tb.TorchLoader(_shuffled(), _src(), rank=1, world=2).rank == 1  # explicit is fine
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    tb.TorchLoader(_shuffled(), _src())
+
+
+def test_a_lambda_on_processes_is_refused_when_the_loader_is_built():
+    from zephon.runners import processes
+
+    runner = processes(2)
+    try:
+        with pytest.raises(PlanError, match="operator evens cannot be pickled for processes"):
+            Loader(_shuffled(), _src(), [Filter(lambda r: r["x"] % 2 == 0, name="evens")], runner=runner)
+        assert runner.pids == []  # refused before any worker started
+    finally:
+        runner.close()
+
+
+class _GetItem:
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        return {"x": i}
+
+
+def test_a_getitem_source_is_refused_at_construction_saying_how():
+    with pytest.raises(PlanError, match="__len__ and __getitem__.*GrainSource"):
+        Loader(_shuffled(), _GetItem())
+
+
+def test_a_loader_shared_by_two_threads_says_it_is_not_shareable():
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(r):
+        inside.set()
+        release.wait(20)
+        return r
+
+    l = Loader(_shuffled(), _src(), [z.Map(slow, name="slow")])
+    first = threading.Thread(target=lambda: next(l))
+    first.start()
+    try:
+        assert inside.wait(20)
+        with pytest.raises(PlanError, match="not shareable between threads"):
+            next(l)
+    finally:
+        release.set()
+        first.join(20)
+    assert l.step == 1 and next(l).step == 1  # the loader still works for its one thread
+
+
+# --- 11. messages that name the problem ------------------------------------------------------
+def test_rank_0_state_into_rank_1_says_whose_lanes_it_holds():
+    plan = _shuffled()
+    keep = Filter(lambda r: r["x"] % 3 != 0, name="thirds")
+    a = Loader(plan, _src(), [keep], rank=0, world=2)
+    next(a)
+    with pytest.raises(StateError, match=r"rank 1 of 2\) owns; it holds lanes 0\.\.3 — another rank's"):
+        Loader(plan, _src(), [keep], rank=1, world=2).restore(a.state())
+
+
+def test_a_map_returning_a_non_dict_is_named():
+    l = Loader(_shuffled(), _src(), [z.Map(lambda r: r["x"], name="bad_map")])
+    with pytest.raises(z.DecodeError, match="bad_map's output for record .* of source 0 .* is a int64"):
+        next(l)
+
+
+def test_a_changed_eos_under_per_source_names_the_field():
+    from zephon.ops.base import identity_diff
+
+    def chain(eos, sha):
+        tok = {"name": "Tokenize", "version": 1, "config": {"field": "text", "eos": eos, "bos": None,
+                                                          "tokenizer_sha256": sha, "x": "y" * 500}}
+        return [{"name": "PerSource", "version": 1, "config": {"0": [tok], "1": [tok]}}]
+
+    diffs = identity_diff(chain(1, "a" * 16), chain(2, "b" * 16))
+    assert diffs == ["operator 0 (PerSource): config 0[0].config.eos 1 != 2",
+                     f"operator 0 (PerSource): config 0[0].config.tokenizer_sha256 '{'a' * 16}' != '{'b' * 16}'",
+                     "operator 0 (PerSource): config 1[0].config.eos 1 != 2",
+                     f"operator 0 (PerSource): config 1[0].config.tokenizer_sha256 '{'a' * 16}' != '{'b' * 16}'"]

@@ -87,8 +87,19 @@ class Loader:
                 isinstance(n, Mix) and n.by == "tokens" for n in _nodes(plan)):
             raise PlanError("a Mix by tokens must be the direct child of .lanes(L): its schedule runs "
                             "inside every lane.")
+        for sid, src in self.sources.items():
+            if not callable(getattr(src, "read", None)):
+                how = ("it has __len__ and __getitem__ (a Grain/torch-style source): wrap it in "
+                       "zephon.compat.grain.GrainSource (records in one column, for Grain-style "
+                       "transforms), or give it read(indices) -> {field: array}" if
+                       hasattr(src, "__getitem__") and hasattr(src, "__len__") else
+                       "give it __len__ and read(indices) -> {field: array}")
+                raise PlanError(f"source {sid} ({type(src).__name__}) is not a Zephon record source: "
+                                f"{how} (e.g. zephon.sources.ArraySource for arrays in memory).")
         self.pipeline = LanePipeline.split(_as_ops(transforms, per_source))
         self.transforms = self.pipeline.ops
+        if getattr(runner, "pickles", False):  # processes(): say so now, not at some later batch
+            _check_picklable(self.transforms)
         for what, v in (("seed", seed), ("rank", rank), ("world", world)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise PlanError(f"Loader({what}=...) must be a non-negative integer, got {v!r}")
@@ -110,6 +121,7 @@ class Loader:
         self.read_ahead = READ_AHEAD_ROWS if read_ahead is None else check_positive_int(read_ahead, "read_ahead")
         self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed)
         self._pending: Iterator[tuple[Columns, Refs]] | None = None
+        self._busy = False  # a batch is being produced (a second thread gets a clear error)
         self._engine: LaneEngine | None = None
         self._step = 0
         self._lane_states: list[LaneState] = []
@@ -148,6 +160,18 @@ class Loader:
         return LocalBatch(step, cols, self.owned, self.plan.per_lane, self.plan.size, refs, segments)
 
     def __next__(self) -> LocalBatch:
+        if self._busy:
+            raise PlanError("this Loader is already producing a batch in another thread: a loader "
+                            "is not shareable between threads. Build one loader per thread (e.g. "
+                            "Loader(..., lanes=...) over disjoint lanes, merged with merge_states), "
+                            "or hand batches from one thread to the others through a queue.")
+        self._busy = True
+        try:
+            return self._next()
+        finally:
+            self._busy = False
+
+    def _next(self) -> LocalBatch:
         if self.random_access:
             n = self.plan.num_steps
             if n is not None and self._step >= n:
@@ -305,9 +329,13 @@ class Loader:
                              "belongs to another plan.")
         missing = [int(l) for l in self.owned if str(int(l)) not in lanes]
         if missing:
+            has = sorted(int(k) for k in lanes)
+            held = f"lanes {has[0]}..{has[-1]}" if has == list(range(has[0], has[-1] + 1)) else f"lanes {has[:8]}"
             raise StateError(f"the state lacks lanes {missing[:8]}{'...' if len(missing) > 8 else ''} "
-                             "that this rank owns; merge every rank's state with merge_states() "
-                             "before restoring at a different data-parallel degree.")
+                             f"that this loader (rank {self.rank} of {self.world}) owns; it holds "
+                             f"{held if has else 'no lanes'} — another rank's (or worker's) state. "
+                             "Restore each rank's own state, or merge every rank's state with "
+                             "merge_states() and restore that at any data-parallel degree.")
         limits = [self.plan.lanes.branch_length(b) for b in range(self.branches)]
         parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix, limits,
                                       self.plan.lanes.max_index)
@@ -323,6 +351,23 @@ class Loader:
         self._stop_pending()
         self._step = step
         self._lane_states = parsed
+
+
+def _check_picklable(ops: Sequence[Any]) -> None:
+    """Worker processes receive the operators pickled: one that cannot be (a lambda, a closure)
+    is refused when the loader is built, naming it, rather than at the batch that first ships it."""
+    import pickle
+
+    for op in ops:
+        chains = getattr(op, "chains", None)
+        for inner in ([t for chain in chains.values() for t in chain] if chains else [op]):
+            try:
+                pickle.dumps(inner, protocol=5)
+            except Exception as e:
+                raise PlanError(f"operator {getattr(inner, 'op_name', type(inner).__name__)} cannot be "
+                                f"pickled for processes() ({type(e).__name__}: {e}); define its "
+                                "function at module level (no lambda or closure), or use the "
+                                "threads() runner.") from e
 
 
 def _nodes(node: Any) -> Iterator[Any]:

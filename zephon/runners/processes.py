@@ -91,6 +91,9 @@ class Processes:
     (the worker's traceback is chained); a worker that dies raises `WorkerError`.
     """
 
+    #: Work is pickled to the workers (a Loader checks its operators pickle when it is built).
+    pickles = True
+
     def __init__(self, workers: int | None = None, *, depth: int | None = None,
                  start_method: str | None = None, timeout: float | None = None) -> None:
         self.workers = check_positive_int(available_cores() if workers is None else workers, "processes(workers)")
