@@ -363,3 +363,59 @@ def test_a_changed_eos_under_per_source_names_the_field():
                      f"operator 0 (PerSource): config 0[0].config.tokenizer_sha256 '{'a' * 16}' != '{'b' * 16}'",
                      "operator 0 (PerSource): config 1[0].config.eos 1 != 2",
                      f"operator 0 (PerSource): config 1[0].config.tokenizer_sha256 '{'a' * 16}' != '{'b' * 16}'"]
+
+
+def test_verify_with_torch_and_matplotlib_missing_reports_na_and_writes_the_json(monkeypatch, tmp_path, capsys):
+    import sys
+
+    from zephon.cli import main
+
+    for name in [m for m in sys.modules if m == "zephon.backends.torch" or m.startswith("zephon.backends.torch.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    plan = tmp_path / "plan.json"
+    plan.write_text(_shuffled().canonical_json())
+    rc = main(["verify", str(plan), "--steps", "2", "--backends", "numpy,torch", "--degrees", "1,2",
+               "--runners", "none", "--workers", "0", "--micro", "2", "--processes", "0",
+               "--report", str(tmp_path / "r"), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "n/a: torch is not installed: pip install 'zephon[torch]'" in out
+    assert "ModuleNotFoundError" not in out and "ALL IDENTICAL" in out
+    assert "no PNG: the heat map needs matplotlib, pip install 'zephon[plots]'" in out
+    assert json.loads((tmp_path / "r.json").read_text())["ok"] is True
+
+
+def test_verify_default_resume_configurations_fit_a_short_run():
+    from zephon.testing.configs import default_resume, matrix
+
+    for steps in (2, 3, 4, 7):
+        for cfg in default_resume(steps):
+            stops = [s.until for s in cfg.segments if s.until is not None]
+            assert stops == sorted(set(stops)) and all(0 < x < steps for x in stops), (steps, cfg)
+        assert matrix(steps=steps)  # --steps 2 used to raise building its own matrix
+
+
+def test_explain_from_state_runs_from_the_saved_step(monkeypatch, tmp_path, capsys):
+    from pathlib import Path
+
+    from zephon.cli import main
+    from zephon.exec import loader as loader_mod
+    from zephon.testing import Builder
+
+    target = f"{Path(__file__).resolve().parent.parent / 'examples' / 'verify_pipeline.py'}:pipeline"
+    l = Builder(target)(1, 0).loader()
+    for _ in range(30):
+        next(l)
+    save_state(tmp_path / "s.json", l.state())
+    calls = []
+    real = loader_mod.Loader._next
+    monkeypatch.setattr(loader_mod.Loader, "_next", lambda self: calls.append(1) or real(self))
+    assert main(["explain", target, "--step", "35", "--from-state", str(tmp_path / "s.json")]) == 0
+    from_state, n_from_state = capsys.readouterr().out, len(calls)
+    calls.clear()
+    assert main(["explain", target, "--step", "35"]) == 0
+    assert capsys.readouterr().out == from_state and (n_from_state, len(calls)) == (6, 36)
+    assert main(["explain", target, "--step", "20", "--from-state", str(tmp_path / "s.json")]) == 2
+    assert "is at step 30, after --step 20" in capsys.readouterr().err

@@ -185,13 +185,13 @@ class Tokenize(Transform):
         try:
             toks = self.encode(texts)
         except (TypeError, ValueError) as e:  # e.g. a lone surrogate ("\ud800"): not encodable text
-            for i, t in enumerate(texts):
+            for i, text in enumerate(texts):
                 try:
-                    t.encode("utf-8")
+                    text.encode("utf-8")
                 except UnicodeEncodeError as u:
                     raise DecodeError(f"record {int(refs.record[i])} of source {int(refs.source[i])}: "
                                       f"field {self.field!r} holds a lone surrogate "
-                                      f"({t[max(0, u.start - 10):u.end + 10]!r}), which is not text a "
+                                      f"({text[max(0, u.start - 10):u.end + 10]!r}), which is not text a "
                                       "tokenizer can encode; fix the record, or replace it with a Map "
                                       "(text.encode('utf-8', 'replace').decode()).") from e
             raise

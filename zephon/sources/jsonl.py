@@ -382,11 +382,11 @@ class JsonlSource(FileHandles):
                               f"elements but {self._where(int(idx[0]))} has {n}; a list field has one "
                               f"length in every line unless it is ragged: pass ragged=[{name!r}] "
                               "(object arrays in every read), or fix the data.")
-        dtype = {"list[int]": np.int64, "list[float]": np.float64, "list[bool]": np.bool_}.get(kind)
-        if dtype is None:
+        element = {"list[int]": np.int64, "list[float]": np.float64, "list[bool]": np.bool_}.get(kind)
+        if element is None:
             return stack(values)
         try:
-            return np.array(values, dtype=dtype).reshape(len(values), n)
+            return np.array(values, dtype=element).reshape(len(values), n)
         except (OverflowError, ValueError, TypeError):
             bad = next((i for i, v in enumerate(values) if any(not -2**63 <= x < 2**63 for x in v)), 0)
             raise DecodeError(f"{self._where(int(idx[bad]))}: field {name!r} holds a number beyond "
