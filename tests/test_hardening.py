@@ -419,3 +419,57 @@ def test_explain_from_state_runs_from_the_saved_step(monkeypatch, tmp_path, caps
     assert capsys.readouterr().out == from_state and (n_from_state, len(calls)) == (6, 36)
     assert main(["explain", target, "--step", "20", "--from-state", str(tmp_path / "s.json")]) == 2
     assert "is at step 30, after --step 20" in capsys.readouterr().err
+
+
+# --- 7. bounded descriptors --------------------------------------------------------------------
+def _fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_jsonl_and_parquet_keep_at_most_max_open_files(tmp_path):
+    from zephon.sources import write_parquet
+    from zephon.sources.jsonl import JsonlSource
+    from zephon.sources.parquet import ParquetSource
+
+    jpaths = [_jsonl(tmp_path, f"{i:04d}.jsonl", [{"v": i, "w": j} for j in range(3)]) for i in range(150)]
+    ppaths = []
+    for i in range(60):
+        ppaths.append(str(tmp_path / f"{i:04d}.parquet"))
+        write_parquet(ppaths[-1], {"v": np.full(3, i, np.int64)}, 3)
+    before = _fds()
+    j = JsonlSource(jpaths, max_open_files=16)
+    got = j.read(np.arange(450))
+    assert got["v"].tolist() == [i for i in range(150) for _ in range(3)]
+    assert _fds() - before <= 16
+    p = ParquetSource(ppaths, decode_threads=4, cache_row_groups=0, max_open_files=16)
+    assert p.read(np.arange(180)[::-1])["v"].tolist() == [i for i in range(60) for _ in range(3)][::-1]
+    assert _fds() - before <= 16 + 16 + 8  # JSONL's, Parquet's, the decode threads' own (pipes, ...)
+    j._close_fds()
+
+
+def test_too_many_open_files_is_named_emfile(tmp_path):
+    import resource
+
+    from zephon.sources.jsonl import JsonlSource
+    from zephon.sources.parquet import ParquetSource
+
+    paths = [_jsonl(tmp_path, f"{i:03d}.jsonl", [{"v": i}]) for i in range(40)]
+    src = JsonlSource(paths, max_open_files=40)
+    from zephon.sources import write_parquet
+
+    ppath = str(tmp_path / "one.parquet")
+    write_parquet(ppath, {"v": np.arange(3)}, 3)
+    psrc = ParquetSource(ppath, decode_threads=1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_fds() + 10, hard))
+    try:
+        with pytest.raises(z.SourceError, match=r"too many open files \(EMFILE\).*ulimit -n is"):
+            src.read(np.arange(40))
+        with pytest.raises(z.SourceError, match=r"too many open files \(EMFILE\)"):
+            psrc.read(np.arange(3))
+    finally:
+        src._close_fds()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

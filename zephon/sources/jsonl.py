@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -25,7 +24,7 @@ from ..errors import DecodeError, SourceError
 from ..jsondoc import loads
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
-from .handles import FileHandles
+from .handles import MAX_OPEN_FILES, FileHandles, OpenFiles, open_error
 from .jsonl_schema import KINDS, checker, hint, kind_of, merge, short, validate_schema
 from .paths import Paths, expand_paths
 
@@ -109,11 +108,11 @@ class JsonlSource(FileHandles):
     under a running job is a `SourceError` naming it.
     """
 
-    _transient = ("_fds", "_lock", "_checks")
+    _transient = ("_files", "_checks")
 
     def __init__(self, paths: Paths, ragged: Collection[str] = (), *,
                  schema: Mapping[str, str] | None = None,
-                 infer_records: int = INFER_RECORDS) -> None:
+                 infer_records: int = INFER_RECORDS, max_open_files: int = MAX_OPEN_FILES) -> None:
         self.paths = expand_paths(paths, "JsonlSource")
         self._stamps: list[FileStamp] = [stamp(p, "JsonlSource") for p in self.paths]
         self.ragged = frozenset(ragged)
@@ -121,8 +120,8 @@ class JsonlSource(FileHandles):
         self._file_ends = np.cumsum([len(s) for s, _ in spans])
         self._starts = np.concatenate([s for s, _ in spans])
         self._ends = np.concatenate([e for _, e in spans])
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self.max_open_files = max_open_files
+        self._files = OpenFiles(max_open_files, os.close)  # descriptors, at most max_open_files
         self._what = repr(self)  # as_indices names the source; repr is too slow per read
         if schema is not None:
             self.schema = validate_schema(schema)
@@ -265,30 +264,26 @@ class JsonlSource(FileHandles):
         return f"JsonlSource({self._head()})"
 
     def _reset(self) -> None:
-        self._fds = {}
-        self._lock = threading.Lock()
+        self._files = OpenFiles(self.max_open_files, os.close)
         self._compile()
 
     def _close_fds(self) -> None:
-        fds, self._fds = getattr(self, "_fds", {}), {}
-        for fd in fds.values():
-            os.close(fd)
+        files = getattr(self, "_files", None)
+        if files is not None:
+            files.close_all()
 
     def __del__(self) -> None:
         self._close_fds()
 
-    def _fd(self, file: int) -> int:
-        """One descriptor per file, shared by threads: pread has no file position to race on."""
-        fd = self._fds.get(file)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(file)
-                if fd is None:
-                    err = changed(self.paths[file], self._stamps[file], "JsonlSource")
-                    if err is not None:  # never read another version of the file
-                        raise err
-                    fd = self._fds[file] = os.open(self.paths[file], os.O_RDONLY)
-        return fd
+    def _open_fd(self, file: int) -> int:
+        """A descriptor of `file` (shared by threads: pread has no file position to race on)."""
+        err = changed(self.paths[file], self._stamps[file], "JsonlSource")
+        if err is not None:  # never read another version of the file
+            raise err
+        try:
+            return os.open(self.paths[file], os.O_RDONLY)
+        except OSError as e:
+            raise open_error(self.paths[file], e, "JsonlSource", self.max_open_files) from e
 
     def _file_of(self, record: int) -> int:
         return int(np.searchsorted(self._file_ends, record, side="right"))
@@ -312,7 +307,8 @@ class JsonlSource(FileHandles):
     def _parse(self, record: int, file: int | None = None) -> dict[str, Any]:
         file = self._file_of(record) if file is None else file
         start, end = int(self._starts[record]), int(self._ends[record])
-        line = os.pread(self._fd(file), end - start, start)
+        with self._files.use(file, lambda: self._open_fd(file)) as fd:
+            line = os.pread(fd, end - start, start)
         if len(line) != end - start:
             err = changed(self.paths[file], self._stamps[file], "JsonlSource")
             raise SourceError(f"{self._where(record)}: file is shorter than when it was "

@@ -12,6 +12,7 @@ the window's order. The emitted order never depends on this grouping.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -25,7 +26,7 @@ import numpy as np
 from ..errors import DecodeError, SourceError
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
-from .handles import FileHandles
+from .handles import MAX_OPEN_FILES, FileHandles, OpenFiles, open_error
 from .paths import Paths, expand_paths
 
 log = logging.getLogger(__name__)
@@ -54,18 +55,20 @@ class ParquetSource(FileHandles):
     under a running job is a `SourceError`, never rows mixed from two versions.
     """
 
-    _transient = ("_local", "_cache", "_cache_lock", "_pool", "_pid")
+    _transient = ("_handles", "_cache", "_cache_lock", "_pool", "_pid")
 
     def __init__(self, paths: Paths, columns: Sequence[str] | None = None, *,
                  list_lengths: Mapping[str, int] | None = None, cache_row_groups: int = 4,
-                 decode_threads: int | None = None, verify_checksums: bool = True) -> None:
+                 decode_threads: int | None = None, verify_checksums: bool = True,
+                 max_open_files: int = MAX_OPEN_FILES) -> None:
         self.paths = expand_paths(paths, "ParquetSource")
         self.verify_checksums = bool(verify_checksums)
         self._stamps: list[FileStamp] = [stamp(p, "ParquetSource") for p in self.paths]
         self.list_lengths = dict(list_lengths or {})
         self.cache_row_groups = cache_row_groups
         self.decode_threads = decode_threads if decode_threads is not None else min(4, _cores())
-        files = [self._open(p, self.verify_checksums) for p in self.paths]
+        self.max_open_files = max_open_files
+        files = [_Footer(self._open(p, self.verify_checksums)) for p in self.paths]  # one open at a time
         schema = files[0].schema_arrow
         self.columns = list(columns) if columns is not None else list(schema.names)
         for path, f in zip(self.paths, files):
@@ -91,12 +94,10 @@ class ParquetSource(FileHandles):
         self._group_ends = np.cumsum(rows)
         self._group_starts = self._group_ends - rows
         self._reset()
-        self._local.files = files  # this thread keeps the handles construction opened
         log.debug("%r: %d rows in %d row groups", self, len(self), len(rows))
         self._what = repr(self)  # as_indices names the source; repr is too slow per read
 
-    @staticmethod
-    def _open(path: str, verify: bool = True) -> Any:
+    def _open(self, path: str, verify: bool = True) -> Any:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -105,14 +106,17 @@ class ParquetSource(FileHandles):
             # which kills the training process; reads through the file descriptor fail cleanly.
             return pq.ParquetFile(path, memory_map=False, page_checksum_verification=verify)
         except (OSError, pa.ArrowException, ValueError) as e:  # ValueError: a damaged footer's
+            if "Too many open files" in str(e) or getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
+                raise open_error(path, OSError(errno.EMFILE, str(e)), "ParquetSource",
+                                 self.max_open_files) from e
             # column names are not UTF-8
             raise SourceError(f"Parquet file {path!r} cannot be opened: {e}. It is truncated, "
                               "corrupt or not Parquet; rewrite it before reading.") from e
 
     def _reset(self) -> None:
         # A ParquetFile is not safe to read from two threads, so each thread opens its own
-        # (opening a file reads only its footer).
-        self._local = threading.local()
+        # (opening a file reads only its footer); at most max_open_files of them stay open.
+        self._handles = OpenFiles(self.max_open_files, lambda f: f.close())
         self._cache: OrderedDict[int, Columns] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -126,16 +130,11 @@ class ParquetSource(FileHandles):
                 self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="zephon-parquet")
             return self._pool
 
-    def _file(self, index: int) -> Any:
-        files = getattr(self._local, "files", None)
-        if files is None:
-            files = self._local.files = [None] * len(self.paths)
-        if files[index] is None:
-            err = changed(self.paths[index], self._stamps[index], "ParquetSource")
-            if err is not None:  # never read the footer of another version of the file
-                raise err
-            files[index] = self._open(self.paths[index], self.verify_checksums)
-        return files[index]
+    def _opened(self, index: int) -> Any:
+        err = changed(self.paths[index], self._stamps[index], "ParquetSource")
+        if err is not None:  # never read the footer of another version of the file
+            raise err
+        return self._open(self.paths[index], self.verify_checksums)
 
     def __len__(self) -> int:
         return int(self._group_ends[-1]) if len(self._group_ends) else 0
@@ -198,7 +197,8 @@ class ParquetSource(FileHandles):
         file, local = int(self._group_file[group]), int(self._group_local[group])
         path, first = self.paths[file], int(self._group_starts[group])
         try:
-            table = self._file(file).read_row_group(local, columns=self.columns, use_threads=False)
+            with self._handles.use((threading.get_ident(), file), lambda: self._opened(file)) as pf:
+                table = pf.read_row_group(local, columns=self.columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:
             err = changed(path, self._stamps[file], "ParquetSource")
             if err is not None:  # not corrupt: rewritten under us
@@ -236,6 +236,15 @@ class ParquetSource(FileHandles):
                                   "Rewrite it (write_parquet adds page checksums), or leave the "
                                   "column out with `columns=`.") from e
         return out
+
+
+class _Footer:
+    """What construction needs of a file (schema, row-group metadata); the file is closed at
+    once, so building a source over 300 files never holds 300 descriptors."""
+
+    def __init__(self, pf: Any) -> None:
+        self.schema_arrow, self.metadata = pf.schema_arrow, pf.metadata
+        pf.close()
 
 
 def _cores() -> int:
