@@ -473,3 +473,49 @@ def test_too_many_open_files_is_named_emfile(tmp_path):
     finally:
         src._close_fds()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# --- 12. reads after a fork are safe; process-starting tests kill their group ------------------
+FORK_WHILE_READING = """
+import os, signal, sys, threading
+import numpy as np
+from zephon.errors import SourceError
+from zephon.sources import ArrayRecordSource, FixedFields
+src = ArrayRecordSource(sys.argv[1], spec=FixedFields({"label": ("int64", ())}))
+idx = np.arange(200)[::-1].copy()
+stop = threading.Event()
+def busy():  # the parent keeps the reader's thread pool working while it forks
+    while not stop.is_set():
+        src.read(idx)
+t = threading.Thread(target=busy)
+t.start()
+failed = 0
+for _ in range(int(sys.argv[2])):
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a blocked child dies of SIGALRM instead of hanging
+        try:
+            src.read(idx)
+            os._exit(1)  # read after the fork: could have blocked forever (1 in 30 did)
+        except SourceError as e:
+            os._exit(0 if "forkserver" in str(e) else 2)
+    _, status = os.waitpid(pid, 0)
+    failed += os.waitstatus_to_exitcode(status) != 0
+stop.set()
+t.join()
+print(failed)
+"""
+
+
+def test_a_child_forked_while_another_thread_reads_array_record_refuses_never_blocks(tmp_path):
+    import sys
+
+    from _helpers import run_group
+
+    from zephon.sources.array_record import write_array_record
+
+    path = tmp_path / "f.array_record"
+    write_array_record(path, [np.int64(i).tobytes() for i in range(200)])
+    out = run_group([sys.executable, "-c", FORK_WHILE_READING, str(path), "12"], capture_output=True,
+                    text=True, timeout=100)
+    assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr[-2000:]

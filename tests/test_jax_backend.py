@@ -15,6 +15,7 @@ import _jax_mp_worker as mp_worker  # tests/ is on sys.path (rootdir conftest, n
 import jax
 import numpy as np
 import pytest
+from _helpers import run_group
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -285,7 +286,7 @@ def test_training_example_runs_with_prefetch_and_equal_loss_curves():
     """
     script = Path(__file__).resolve().parent.parent / "examples" / "jax_train.py"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([sys.executable, str(script), "--steps", "100"], env=env, timeout=180,
+    done = run_group([sys.executable, str(script), "--steps", "100"], env=env, timeout=180,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "max |loss(8,) - loss(2,4)| over 100 steps: 0\n" in done.stdout
