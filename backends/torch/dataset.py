@@ -123,11 +123,12 @@ class ZephonIterableDataset(IterableDataset):
             return self.rank * workers + worker, self.world * workers
         return self.rank + worker * self.world, self.world * workers
 
-    def restore(self, state: Mapping[str, Any]) -> None:
+    def restore(self, state: Mapping[str, Any], *, allow_batch_change: bool = False) -> None:
         """Future iterations start after the batches `state` had yielded: a state of any
-        emitter (`state_dict()`, `Loader.state()`, ...) saved at any data-parallel degree."""
+        emitter (`state_dict()`, `Loader.state()`, ...) saved at any data-parallel degree
+        (and, with `allow_batch_change=True`, under another global batch size)."""
         main = self._main_loader()
-        main.restore(state)  # checks plan, seed, pipeline and lanes
+        main.restore(state, allow_batch_change=allow_batch_change)  # checks plan, seed, pipeline and lanes
         self._start = main.position()
 
     def continue_from(self, position: Mapping[str, Any]) -> None:
@@ -161,8 +162,12 @@ class ZephonIterableDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Batches left from the start state (only for finite plans of one-to-one pipelines)."""
-        n = self.plan.num_steps
-        if n is None or not self.one_to_one:
+        n = None
+        if self.one_to_one:  # the plan's count, unless the run resumed at another batch size
+            main = self._main_loader()
+            main.seek_position(self._start)
+            n = main.num_steps
+        if n is None:
             raise TypeError("this Zephon dataset has no length: its plan repeats forever or its "
                             "pipeline changes the number of records.")
         return max(0, n - self.start_step)

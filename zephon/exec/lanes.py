@@ -61,15 +61,16 @@ class LaneEngine:
         self.nb = len(lanes.branches)
         mix = lanes.child if isinstance(lanes.child, Mix) and lanes.child.by == "tokens" else None
         self.schedule = None if mix is None else TokenSchedule.of(mix)
-        self.per = plan.per_lane
+        self._asm_step = step  # the step the simple path assembles next
         self._states = list(states)
         self._simple: tuple[np.ndarray, np.ndarray] | None = None  # (cursor, skip) of the simple path
         self._ready: deque[tuple[Columns, Refs, tuple[np.ndarray, np.ndarray]]] = deque()
         #: steps the simple path assembles in one pass (bounded like a group read)
-        self._group = max(1, min(64, read_ahead // max(1, len(owned) * plan.per_lane)))
+        largest = plan.sizes.largest // lanes.count  # a batch-size ramp's largest share of a lane
+        self._group = max(1, min(64, read_ahead // max(1, len(owned) * largest)))
         starts = tuple(np.array([s.cursor[b] for s in self._states], np.int64) for b in range(self.nb))
-        size = window_size(read_ahead, len(owned), self.per)
-        first = self.per
+        size = window_size(read_ahead, len(owned), largest)
+        first = plan.per_lane_at(step)
         if self.schedule is not None or pipeline.acc is not None:
             # documents (tokenize, pack): ~512 inputs a window keep encode_batch efficient while
             # several windows are in flight on the runner
@@ -192,9 +193,12 @@ class LaneEngine:
         vectorised pass, into `self._ready`: per step its columns (views), refs and positions."""
         if not self._skip_applied:
             self._apply_skip()
-        n, per = len(self.owned), self.per
+        n, per = len(self.owned), self.plan.per_lane_at(self._asm_step)
         avail = sum((w.bounds[1:] - w.used for w in self.pending[0]), np.zeros(n, np.int64))
         steps = int(max(1, min(self._group, avail.min() // per if n else 1)))
+        end = self.plan.sizes.stretch_end(self._asm_step)  # one pass assembles steps of one size
+        if end is not None:
+            steps = min(steps, end - self._asm_step)
         need0 = steps * per
         need = np.full(n, need0, np.int64)
         parts: list[tuple[Window, np.ndarray, np.ndarray]] = []
@@ -250,6 +254,7 @@ class LaneEngine:
             view = slice(s * rows, (s + 1) * rows)
             self._ready.append(({k: v[view] for k, v in out.items()},
                                 Refs(ref[0, view], ref[1, view], ref[2, view]), position))
+        self._asm_step += steps
 
     # --- the general path: per lane, through the mix schedule and the accumulator --------------
     def _peek(self, b: int, k: int, count: int) -> list[tuple[Window, int]]:
@@ -297,7 +302,7 @@ class LaneEngine:
         return self.schedule.candidates(lambda b, c: self._peek(b, k, c), count, mix, self.step)
 
     def _general_step(self) -> tuple[Columns, Any]:
-        per = self.per
+        per = self.plan.per_lane_at(self.step)
         acc = self.pipeline.acc
         lane_outs: list[Columns] = []
         provenance: list[list[tuple[int, int, int, int, int]]] = []

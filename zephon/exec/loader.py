@@ -23,6 +23,7 @@ from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.batch import LocalBatch, check_micro_count
 from zephon.exec.lanes import LaneEngine
 from zephon.exec.pipeline import LanePipeline
+from zephon.exec.resize import batch_change, check_micro_schedule, lane_shift_of
 from zephon.exec.state import LaneState
 from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps, leaf_sources
 from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transforms
@@ -66,12 +67,15 @@ class Loader:
       read_ahead: rows one read aims for (default `READ_AHEAD_ROWS`). Changes speed, never data.
       lanes: produce only these of the rank's lanes (in lane order) — how DataLoader workers
         split a rank's lanes; `position()`/`state()` then cover just them (merge them).
+      micro_batches: the micro-batch count the training loop will cut every batch into; checked
+        here, against every batch size of the plan's schedule, instead of at the step it fails.
     """
 
     def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
                  transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
                  seed: int = 0, rank: int = 0, world: int = 1, runner: Runner | None = None, start_step: int = 0,
-                 read_ahead: int | None = None, lanes: Sequence[int] | None = None) -> None:
+                 read_ahead: int | None = None, lanes: Sequence[int] | None = None,
+                 micro_batches: int | None = None) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         self.plan = plan
@@ -106,6 +110,8 @@ class Loader:
         self.seed = int(seed)
         self.rank, self.world = int(rank), int(world)
         self.owned = plan.lanes.owned(self.rank, self.world)
+        if micro_batches is not None:
+            check_micro_schedule(plan, micro_batches, self.world)
         if lanes is not None:  # a subset of the rank's lanes (e.g. one DataLoader worker's)
             sub = np.asarray(list(lanes), np.int64)
             if sub.ndim != 1 or not sub.size or not np.isin(sub, self.owned).all() or np.any(np.diff(sub) <= 0):
@@ -119,6 +125,8 @@ class Loader:
         self.one_to_one = self.random_access
         self.runner = runner
         self.read_ahead = READ_AHEAD_ROWS if read_ahead is None else check_positive_int(read_ahead, "read_ahead")
+        #: lane positions relative to the plan's (a random-access run resumed at another batch size)
+        self._shift = 0
         self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed)
         self._pending: Iterator[tuple[Columns, Refs]] | None = None
         self._busy = False  # a batch is being produced (a second thread gets a clear error)
@@ -152,12 +160,22 @@ class Loader:
 
     def _batch(self, step: int, cols: Columns, refs: Refs | None = None,
                segments: Any = None) -> LocalBatch:
+        per = self.plan.per_lane_at(step)
         if self.pipeline.post:
-            post_refs = Refs(np.repeat(self.owned, self.plan.per_lane),
-                             step * self.plan.per_lane + np.tile(np.arange(self.plan.per_lane), len(self.owned)),
-                             np.full(len(self.owned) * self.plan.per_lane, -1, np.int64))
+            post_refs = Refs(np.repeat(self.owned, per),
+                             self.plan.lane_offset(step) + self._shift + np.tile(np.arange(per), len(self.owned)),
+                             np.full(len(self.owned) * per, -1, np.int64))
             cols, _ = run_transforms(self.pipeline.post, cols, post_refs, self.seed ^ 0x5EED)
-        return LocalBatch(step, cols, self.owned, self.plan.per_lane, self.plan.size, refs, segments)
+        return LocalBatch(step, cols, self.owned, per, self.plan.size_at(step), refs, segments)
+
+    @property
+    def num_steps(self) -> int | None:
+        """Global batches of a random-access run (None if infinite or not random access);
+        the plan's `num_steps`, unless it resumed at another batch size."""
+        n = self.plan.lanes.lane_length()
+        if n is None or not self.random_access:
+            return None if n is None else self.plan.num_steps
+        return self.plan.sizes.steps_within(n - self._shift)
 
     def __next__(self) -> LocalBatch:
         if self._busy:
@@ -173,7 +191,7 @@ class Loader:
 
     def _next(self) -> LocalBatch:
         if self.random_access:
-            n = self.plan.num_steps
+            n = self.num_steps
             if n is not None and self._step >= n:
                 raise StopIteration
             if self._pending is None:
@@ -221,7 +239,7 @@ class Loader:
         workers (worker w of W takes `strided(first + w, W)`). Leaves `self.step` alone."""
         self._need_random_access("strided()")
         start = self.plan.check_step(start, "strided() start")
-        n = self.plan.num_steps
+        n = self.num_steps
         if n is not None and start >= n:
             return
         for k, (cols, refs) in enumerate(iterate_steps(self._task, self.runner, start, self.read_ahead, stride)):
@@ -256,21 +274,22 @@ class Loader:
     def position(self) -> dict[str, Any]:
         """The step and owned lanes' states (cheap; no identity check — see `state`)."""
         if self.random_access:
-            lanes = {str(int(l)): LaneState.start(1, self._step * self.plan.per_lane).to_json()
-                     for l in self.owned}
+            at = self.plan.lane_offset(self._step) + self._shift
+            lanes = {str(int(l)): LaneState.start(1, at).to_json() for l in self.owned}
         else:
             acc = self.pipeline.acc is not None
             states = self._engine.states if self._engine is not None else self._lane_states
             lanes = {str(int(l)): s.to_json(acc) for l, s in zip(self.owned, states)}
-        return {"step": self._step, "lanes": lanes}
+        return {"step": self._step, "lanes": lanes, **({"lane_shift": self._shift} if self._shift else {})}
 
     def state_from(self, position: Mapping[str, Any]) -> dict[str, Any]:
         """A full state document from a `position()` taken earlier (backends prefetch ahead)."""
         import zephon
 
+        shift = {"lane_shift": position["lane_shift"]} if position.get("lane_shift") else {}
         return {"zephon_state": STATE_VERSION, "zephon_version": zephon.__version__, **self.identity(),
                 "plan": self.plan.to_json(),
-                "step": position["step"], "lanes": position["lanes"]}
+                "step": position["step"], "lanes": position["lanes"], **shift}
 
     def state(self) -> dict[str, Any]:
         """JSON state after the last yielded batch: identity, step, owned lanes' states."""
@@ -285,11 +304,20 @@ class Loader:
         self._stop_pending()
         self._step = step
 
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """Continues from `state` (saved at any data-parallel degree of the same plan)."""
+    def restore(self, state: Mapping[str, Any], *, allow_batch_change: bool = False) -> None:
+        """Continues from `state` (saved at any data-parallel degree of the same plan).
+
+        A state saved under another global batch size (or schedule) of the same plan is
+        refused, naming both, unless `allow_batch_change=True`: then every lane continues
+        exactly where it stopped — no record skipped or repeated — and the batches from the
+        saved step on are this plan's sizes (`zephon.batchsize`).
+        """
         check_state(state)
         mine = self.identity()
+        old = None
         if state.get("plan_fingerprint") != mine["plan_fingerprint"]:
+            old = batch_change(state.get("plan"), self.plan, allow_batch_change)
+        if state.get("plan_fingerprint") != mine["plan_fingerprint"] and old is None:
             diffs = plan_diff(state.get("plan"), self.plan.to_json())
             raise StateError("this checkpoint was written by another plan (fingerprint "
                              f"{state.get('plan_fingerprint')} != {mine['plan_fingerprint']}); "
@@ -304,12 +332,17 @@ class Loader:
             raise StateError("this checkpoint was written by a different pipeline: "
                              f"{'; '.join(diffs[:5])}. Resume with the operators that wrote it (same "
                              "name, version and config), or start from step 0.")
-        self.seek_position(state)
+        shift = None
+        if old is not None:  # the lanes stay where they are; this plan's steps start there
+            step = state["step"]
+            shift = old.lane_offset(step) + lane_shift_of(state) - self.plan.lane_offset(step)
+        self.seek_position(state, lane_shift=shift)
 
-    def seek_position(self, position: Mapping[str, Any]) -> None:
+    def seek_position(self, position: Mapping[str, Any], *, lane_shift: int | None = None) -> None:
         """Continues from a `position()` (or state) of a loader of the same plan and pipeline
         whose lanes include this one's, without the identity check of `restore` — for backends
-        that hand positions between their own workers in one job (pipelines with lambdas too)."""
+        that hand positions between their own workers in one job (pipelines with lambdas too).
+        `lane_shift` overrides the position's (a resume at another batch size)."""
         step = position.get("step") if isinstance(position, Mapping) else None
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateError(f"the state's step {step!r} is not a non-negative integer")
@@ -340,15 +373,25 @@ class Loader:
         parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix, limits,
                                       self.plan.lanes.max_index)
                   for l in self.owned]
+        shift = lane_shift_of(position) if lane_shift is None else int(lane_shift)
+        if self.plan.lane_offset(step) + shift < 0:
+            raise StateError(f"the state's lane_shift {shift} puts step {step} before the lanes' "
+                             "first input; the state was edited.")
         if self.random_access:
+            at = self.plan.lane_offset(step) + shift
             for l, st in zip(self.owned, parsed):
-                if st.cursor[0] != step * self.plan.per_lane or st.skip[0]:
+                if st.cursor[0] != at or st.skip[0]:
                     raise StateError(f"lane {int(l)} of the state is at input {st.cursor[0]}, but step "
                                      f"{step} of this one-to-one pipeline puts every lane at "
-                                     f"{step * self.plan.per_lane}; the state was edited.")
+                                     f"{at}; the state was edited.")
+            if shift != self._shift:
+                self._shift = shift
+                self._task = StepTask(self.plan, self.sources, self.pipeline.rows, self.owned,
+                                      self.seed, self._shift)
             self.seek(step)
             return
         self._stop_pending()
+        self._shift = shift
         self._step = step
         self._lane_states = parsed
 
@@ -411,7 +454,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                              "object {lane: state}; pass states as Loader.state() returns them.")
     head = dict(states[0])
     for s in states[1:]:
-        for key in ("plan_fingerprint", "seed", "pipeline", "step"):
+        for key in ("plan_fingerprint", "seed", "pipeline", "step", "lane_shift"):
             if s.get(key) != head.get(key):
                 raise StateError(f"cannot merge states with different {key}: "
                                  f"{s.get(key)!r} != {head.get(key)!r}")
@@ -429,5 +472,5 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return head
 
 
-__all__ = ["JSON", "LaneState", "Loader", "LocalBatch", "Operator", "check_micro_count", "check_state",
-           "merge_states"]
+__all__ = ["JSON", "LaneState", "Loader", "LocalBatch", "Operator", "check_micro_count", "check_micro_schedule",
+           "check_state", "merge_states"]
