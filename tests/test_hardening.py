@@ -519,3 +519,44 @@ def test_a_child_forked_while_another_thread_reads_array_record_refuses_never_bl
     out = run_group([sys.executable, "-c", FORK_WHILE_READING, str(path), "12"], capture_output=True,
                     text=True, timeout=100)
     assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr[-2000:]
+
+
+# --- 8. a flat soak: shared memory held by pending windows stays bounded -----------------------
+def _docs(n, seed, lo, hi):
+    from zephon.columns import objects
+
+    rng = np.random.default_rng(seed)
+    return ArraySource({"tokens": objects([rng.integers(1, 1000, rng.integers(lo, hi), dtype=np.int32)
+                                           for _ in range(n)])})
+
+
+@pytest.mark.multiprocess
+def test_windows_pending_for_slow_lanes_leave_shared_memory(monkeypatch):
+    """Lanes of a token mix drift apart, so windows wait for the slowest lane; their arrays were
+    views of processes()' shared-memory slots, which then could not be reused: the soak's
+    memfds and mappings rose for as long as it ran. Waiting windows are now copied out."""
+    from zephon.exec import lanes as lanes_mod
+    from zephon.ops.pack import Pack
+    from zephon.runners import processes
+    from zephon.verify import run_fingerprints
+
+    plan = Mix([Source(400, id=0).shuffle(1).repeat(), Source(300, id=1).shuffle(2).repeat()],
+               [0.7, 0.3], by="tokens").lanes(8).batch(16)
+    srcs = [_docs(400, 0, 1200, 4000), _docs(300, 1, 1100, 2000)]  # tokens arrays > 4 KB: in slots
+
+    def run(shared_windows, runner=None):
+        monkeypatch.setattr(lanes_mod, "_SHARED_WINDOWS", shared_windows)
+        l = Loader(plan, srcs, [Pack(1024, "concat")], runner=runner, read_ahead=8)
+        most, got = 0, []
+        try:
+            for _ in range(400):
+                got.append(next(l))
+                most = max(most, len(runner._pool._slots)) if runner is not None else 0
+            return run_fingerprints([iter(got)], 400), most
+        finally:
+            l.close()
+
+    ref, _ = run(3)
+    got, most = run(0, processes(2, depth=2))  # every window that waits is copied out
+    assert got == ref  # copies change no data
+    assert most <= 6  # in flight (2) + windows being read; without the copies: 11 here

@@ -244,6 +244,11 @@ class Processes:
         slot, fresh = self._pool.acquire(), self._pool.fresh_name()
         retired = tuple(self._pool.retired[w.retired_seen:])
         w.retired_seen = len(self._pool.retired)
+        seen = min(x.retired_seen for x in self._workers)
+        if seen:  # every worker was told: forget them (the list would grow for the whole run)
+            del self._pool.retired[:seen]
+            for x in self._workers:
+                x.retired_seen -= seen
         w.mapped.difference_update(retired)
         lend = slot is not None and slot.name not in w.mapped
         w.inflight.append(_Task(index, slot, fresh))
