@@ -60,7 +60,8 @@ class Loader:
       per_source: `{source id: [row operators]}` applied to that source's rows first — each
         corpus of a mix its own text field, tokenizer or filter.
       seed: seeds data-derived randomness (`RandomMap`); part of the state's identity.
-      rank, world: data-parallel rank and degree; `plan.lanes.count % world == 0`.
+      rank: this process's data-parallel rank, `0 <= rank < world`.
+      world: the data-parallel degree; `plan.lanes.count % world == 0`.
       runner: `zephon.runners.inline()` (default), `threads(n)` or `processes(n)`: computes steps
         (or lane windows) ahead in parallel; changes speed, never data. `close()` closes it.
       start_step: first global batch (random-access pipelines; others restore a state).

@@ -104,7 +104,7 @@ class OpenFiles:
             self._close(h)
 
 
-def open_error(path: str, e: OSError, what: str, limit: int) -> OSError:
+def open_error(path: str, e: OSError, what: str, limit: int = MAX_OPEN_FILES) -> OSError:
     """The error for a file that could not be opened: EMFILE/ENFILE named for what they are."""
     if e.errno in (errno.EMFILE, errno.ENFILE):
         try:
