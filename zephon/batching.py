@@ -60,7 +60,7 @@ class Lanes(Node, kind="Lanes"):
     @property
     def branches(self) -> tuple[Node, ...]:
         """Streams the lane engine reads separately: a token Mix's children, else the child."""
-        if isinstance(self.child, Mix) and self.child.by == "tokens":
+        if isinstance(self.child, Mix) and self.child.by_tokens:
             return self.child.children
         return (self.child,)
 
@@ -73,7 +73,7 @@ class Lanes(Node, kind="Lanes"):
     def lane_length(self) -> int | None:
         """Inputs every lane has (the shortest lane's count); None if infinite."""
         if isinstance(self.child, Mix):
-            if self.child.by == "tokens":
+            if self.child.by_tokens:
                 return None
             return self.child.length_for([None if c.length is None else c.length // self.count
                                           for c in self.child.children])

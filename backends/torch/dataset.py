@@ -23,6 +23,7 @@ from zephon.backends.torch.placement import data_parallel
 from zephon.backends.torch.state import seek_position, state_document
 from zephon.errors import PlanError, StateError
 from zephon.exec.loader import Loader
+from zephon.exec.resize import check_micro_schedule
 from zephon.ops.base import Operator
 from zephon.plan import Batch
 from zephon.runners.base import Runner
@@ -70,9 +71,12 @@ class ZephonIterableDataset(IterableDataset):
                  group: dist.ProcessGroup | None = None, runner: Runner | None = None, start_step: int = 0,
                  dtypes: Mapping[str, Any] | None = None, **loader_options: Any) -> None:
         self.plan, self.sources, self.transforms = plan, sources, tuple(transforms)
+        micro = loader_options.pop("micro_batches", None)  # this rank's rows, not a worker's part
         self.loader_options = loader_options
         self.seed, self.runner = int(seed), runner
         self.rank, self.world = data_parallel(rank, world, group)
+        if micro is not None:
+            check_micro_schedule(plan, micro, self.world)
         self.emitter = Emitter.make(dtypes)
         main = self._loader(start_step)
         self.one_to_one = main.random_access

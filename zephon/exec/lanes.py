@@ -73,7 +73,7 @@ class LaneEngine:
         self.step = step
         lanes = plan.lanes
         self.nb = len(lanes.branches)
-        mix = lanes.child if isinstance(lanes.child, Mix) and lanes.child.by == "tokens" else None
+        mix = lanes.child if isinstance(lanes.child, Mix) and lanes.child.by_tokens else None
         self.schedule = None if mix is None else TokenSchedule.of(mix)
         self._asm_step = step  # the step the simple path assembles next
         self._states = list(states)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from zephon.accounting import domain_fields
 from zephon.checkpoint import STATE_VERSION, check_state_version, state_checksum
 from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.batch import LocalBatch, check_micro_count
@@ -70,13 +71,15 @@ class Loader:
         split a rank's lanes; `position()`/`state()` then cover just them (merge them).
       micro_batches: the micro-batch count the training loop will cut every batch into; checked
         here, against every batch size of the plan's schedule, instead of at the step it fails.
+      domains: add per-domain accounting fields to every batch (`source_id`, and for packed
+        rows `tokens_by_source`, `trained_by_source`; see `zephon.accounting`).
     """
 
     def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
                  transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
                  seed: int = 0, rank: int = 0, world: int = 1, runner: Runner | None = None, start_step: int = 0,
                  read_ahead: int | None = None, lanes: Sequence[int] | None = None,
-                 micro_batches: int | None = None) -> None:
+                 micro_batches: int | None = None, domains: bool = False) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         self.plan = plan
@@ -89,7 +92,7 @@ class Loader:
                 raise PlanError(f"Source id {s.id} declares {s.size} records but its record source "
                                 f"has {len(self.sources[s.id])}; build the plan from len(source).")
         if isinstance(plan.lanes.child, Mix) is False and any(
-                isinstance(n, Mix) and n.by == "tokens" for n in _nodes(plan)):
+                isinstance(n, Mix) and n.by_tokens for n in _nodes(plan)):
             raise PlanError("a Mix by tokens must be the direct child of .lanes(L): its schedule runs "
                             "inside every lane.")
         for sid, src in self.sources.items():
@@ -101,6 +104,8 @@ class Loader:
                        "give it __len__ and read(indices) -> {field: array}")
                 raise PlanError(f"source {sid} ({type(src).__name__}) is not a Zephon record source: "
                                 f"{how} (e.g. zephon.sources.ArraySource for arrays in memory).")
+        self.domains = bool(domains)
+        self._n_sources = max((s.id for s in leaf_sources(plan)), default=0) + 1
         self.pipeline = LanePipeline.split(_as_ops(transforms, per_source))
         self.transforms = self.pipeline.ops
         if getattr(runner, "pickles", False):  # processes(): say so now, not at some later batch
@@ -167,6 +172,8 @@ class Loader:
                              self.plan.lane_offset(step) + self._shift + np.tile(np.arange(per), len(self.owned)),
                              np.full(len(self.owned) * per, -1, np.int64))
             cols, _ = run_transforms(self.pipeline.post, cols, post_refs, self.seed ^ 0x5EED)
+        if self.domains:
+            cols = {**cols, **domain_fields(cols, refs, segments, self._n_sources)}
         return LocalBatch(step, cols, self.owned, per, self.plan.size_at(step), refs, segments)
 
     @property

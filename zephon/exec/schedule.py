@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+import numpy as np
+
 from zephon.errors import PlanError
 from zephon.exec.windows import Window
 from zephon.plan import Mix
@@ -39,19 +41,29 @@ class TokenSchedule:
     #: past 2**53 compare equal and the mix collapses onto one branch.
     scales: tuple[tuple[int | None, ...], ...]
     count_field: str
+    mask_field: str | None = None  # a mix by trained tokens: count the mask's non-zero tokens
 
     @staticmethod
     def of(mix: Mix) -> TokenSchedule:
         sets = [mix.weights] + [w for _, w in mix.schedule]
         return TokenSchedule((0,) + tuple(s for s, _ in mix.schedule), tuple(_scales(w) for w in sets),
-                             mix.count_field)
+                             mix.count_field, mix.mask_field if mix.by == "trained_tokens" else None)
 
     def restarts(self, step: int) -> bool:
         """Whether the weights change at `step` (the lanes' counters start from zero there)."""
         return step in self.starts[1:]
 
     def count(self, cols: Columns, r: int) -> int:
-        """What the mix counts for row r: the length of its `count_field` column."""
+        """What the mix counts for row r: the length of its `count_field` column, or (by trained
+        tokens) the non-zero entries of its mask after the first token: what the loss will see."""
+        if self.mask_field is not None:
+            m = cols.get(self.mask_field)
+            if m is None:
+                raise PlanError(f"a Mix by trained tokens counts the non-zero tokens of column "
+                                f"{self.mask_field!r}, which the pipeline's rows do not have (fields: "
+                                f"{sorted(cols)}); put a Chat (or a per-token mask) before the mix "
+                                "or set Mix(mask_field=...).")
+            return int(np.count_nonzero(np.asarray(m[r])[1:]))
         v = cols.get(self.count_field)
         if v is None:
             raise PlanError(f"a Mix by tokens counts the length of column {self.count_field!r}, "
