@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -260,14 +262,14 @@ def test_two_processes_equal_single_process(tmp_path: Path):
                 procs.append(subprocess.Popen(
                     [sys.executable, str(worker), "--process-id", str(i), "--port", str(port),
                      "--steps", str(steps), "--out", str(outs[i])],
-                    env=env, stdout=log, stderr=subprocess.STDOUT))
+                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         for p, log in zip(procs, logs):
             assert p.wait(timeout=120) == 0, log.read_text(errors="replace")[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        for p in procs:  # each in its own process group: end the group, forked children too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     results = [json.loads(o.read_text()) for o in outs]
     assert [(r["rank"], r["world"], r["local_devices"], r["global_devices"]) for r in results] == \
         [(0, 2, 4, 8), (1, 2, 4, 8)]
