@@ -29,6 +29,7 @@ from typing import Any
 from zephon._distribution import version as installed_version
 from zephon.errors import StateError
 from zephon.jsondoc import json_object
+from zephon.storage.url import is_remote, local_path
 
 #: The newest state format this Zephon reads and writes (`"zephon_state"` in every state).
 #: 3: a state file carries `"checksum"` (format 2 had none; `zephon state resign` upgrades one).
@@ -135,9 +136,11 @@ def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
     a `"checksum"` over its canonical form that `load_state` verifies.
 
     The target is never torn: a reader sees the old state or the new one. Temp files of earlier
-    saves to the same target that were interrupted are removed.
+    saves to the same target that were interrupted are removed. An `s3://` or `gs://` URL is
+    written with one PUT, which the store makes visible only once complete (all or nothing).
     """
-    path = os.path.abspath(os.fspath(path))
+    name = local_path(path)
+    path = name if is_remote(name) else os.path.abspath(name)
     try:
         signed = {**state, _CHECKSUM: state_checksum(state)}
         text = json.dumps(signed, sort_keys=True)
@@ -145,6 +148,11 @@ def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
         raise StateError(f"cannot save the state to {path}: it is not JSON ({e}). Save the dict "
                          "that Loader.state() returned, unchanged; add your own values to "
                          "another file.") from e
+    if is_remote(path):
+        from zephon.storage import put_atomic
+
+        put_atomic(path, text.encode())
+        return
     d = os.path.dirname(path)
     if not os.path.isdir(d):
         raise StateError(f"cannot save the state to {path}: the directory {d} does not exist; "
@@ -214,11 +222,20 @@ def check_state_version(state: Mapping[str, Any], where: str = "the state") -> N
                          f"Upgrade Zephon{to} (pip install -U zephon-loader) to resume from it.")
 
 
+def _read(name: str) -> bytes:
+    if is_remote(name):
+        from zephon.storage import read_object
+
+        return read_object(name)  # a missing object raises ObjectMissingError, a FileNotFoundError
+    with open(name, "rb") as f:
+        return f.read()
+
+
 def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Reads a state written by `save_state` (JSON only; nothing is unpickled) and verifies its
     checksum, so a flipped bit or a hand edit cannot resume another stream; returns the state
     without the checksum. After a deliberate edit, `zephon state resign FILE` re-signs it."""
-    name = os.fspath(path)
+    name = local_path(path)
     state = _read_state(path)
     check_state_version(state, f"loader state {name}")
     saved = state.pop(_CHECKSUM, None)
@@ -240,10 +257,9 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The JSON object in the file `path`, or a StateError saying what the file is instead."""
-    name = os.fspath(path)
+    name = local_path(path)
     try:
-        with open(name, "rb") as f:
-            data = f.read()
+        data = _read(name)
     except FileNotFoundError:
         raise StateError(f"no loader state at {name}; check the checkpoint directory") from None
     except IsADirectoryError:
