@@ -157,7 +157,20 @@ class Tokenize(Transform):
         return [np.concatenate([np.array(head, np.int32), x, np.array(tail, np.int32)]) for x in ids]
 
     def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, np.ndarray | None]:
-        toks = self.encode(self._texts(cols, refs))
+        texts = self._texts(cols, refs)
+        try:
+            toks = self.encode(texts)
+        except (TypeError, ValueError) as e:  # e.g. a lone surrogate ("\ud800"): not encodable text
+            for i, text in enumerate(texts):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as u:
+                    raise DecodeError(f"record {int(refs.record[i])} of source {int(refs.source[i])}: "
+                                      f"field {self.field!r} holds a lone surrogate "
+                                      f"({text[max(0, u.start - 10):u.end + 10]!r}), which is not text a "
+                                      "tokenizer can encode; fix the record, or replace it with a Map "
+                                      "(text.encode('utf-8', 'replace').decode()).") from e
+            raise
         rest = {k: v for k, v in cols.items() if k != self.field or self.keep_text}
         m = self.max_tokens
         if m is None or not any(len(t) > m for t in toks):
