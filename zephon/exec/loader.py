@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zephon.accounting import domain_fields
-from zephon.checkpoint import STATE_VERSION, check_state_version
+from zephon.checkpoint import STATE_VERSION, check_state_version, state_checksum
 from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.batch import LocalBatch, check_micro_count
 from zephon.exec.lanes import LaneEngine
@@ -101,10 +101,21 @@ class Loader:
                 isinstance(n, Mix) and n.by_tokens for n in _nodes(plan)):
             raise PlanError("a Mix by tokens must be the direct child of .lanes(L): its schedule runs "
                             "inside every lane.")
+        for sid, src in self.sources.items():
+            if not callable(getattr(src, "read", None)):
+                how = ("it has __len__ and __getitem__ (a Grain/torch-style source): wrap it in "
+                       "zephon.compat.grain.GrainSource (records in one column, for Grain-style "
+                       "transforms), or give it read(indices) -> {field: array}" if
+                       hasattr(src, "__getitem__") and hasattr(src, "__len__") else
+                       "give it __len__ and read(indices) -> {field: array}")
+                raise PlanError(f"source {sid} ({type(src).__name__}) is not a Zephon record source: "
+                                f"{how} (e.g. zephon.sources.ArraySource for arrays in memory).")
         self.domains = bool(domains)
         self._n_sources = max((s.id for s in leaf_sources(plan)), default=0) + 1
         self.pipeline = LanePipeline.split(_as_ops(transforms, per_source))
         self.transforms = self.pipeline.ops
+        if getattr(runner, "pickles", False):  # processes(): say so now, not at some later batch
+            _check_picklable(self.transforms)
         for what, v in (("seed", seed), ("rank", rank), ("world", world)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise PlanError(f"Loader({what}=...) must be a non-negative integer, got {v!r}")
@@ -130,6 +141,7 @@ class Loader:
         self._shift = 0
         self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed)
         self._pending: Iterator[tuple[Columns, Refs]] | None = None
+        self._busy = False  # a batch is being produced (a second thread gets a clear error)
         self._engine: LaneEngine | None = None
         self._step = 0
         self._lane_states: list[LaneState] = []
@@ -184,7 +196,16 @@ class Loader:
         return self.plan.sizes.steps_within(n - self._shift)
 
     def __next__(self) -> LocalBatch:
-        return self._next_batch() if self._sink is None else self._sink.step(self._next_batch)
+        if self._busy:
+            raise PlanError("this Loader is already producing a batch in another thread: a loader "
+                            "is not shareable between threads. Build one loader per thread (e.g. "
+                            "Loader(..., lanes=...) over disjoint lanes, merged with merge_states), "
+                            "or hand batches from one thread to the others through a queue.")
+        self._busy = True
+        try:
+            return self._next() if self._sink is None else self._sink.step(self._next)
+        finally:
+            self._busy = False
 
     def stats(self) -> Stats:
         """Telemetry so far: stall, stage times, rows/tokens/bytes (see `zephon.telemetry`)."""
@@ -195,7 +216,7 @@ class Loader:
         """The recorder behind `stats()` (None when built with telemetry=False)."""
         return self._tel
 
-    def _next_batch(self) -> LocalBatch:
+    def _next(self) -> LocalBatch:
         sink = self._sink
         if self.random_access:
             n = self.num_steps
@@ -247,6 +268,7 @@ class Loader:
         """Batches start, start+stride, ... with grouped reads, for splitting steps among
         workers (worker w of W takes `strided(first + w, W)`). Leaves `self.step` alone."""
         self._need_random_access("strided()")
+        start = self.plan.check_step(start, "strided() start")
         n = self.num_steps
         if n is not None and start >= n:
             return
@@ -258,6 +280,7 @@ class Loader:
     def batch(self, step: int) -> LocalBatch:
         """Random access to global batch `step` (random-access pipelines only)."""
         self._need_random_access(f"batch({step})")
+        step = self.plan.check_step(step)
         cols, refs = self._task(step)
         return self._batch(step, cols, refs)
 
@@ -311,10 +334,9 @@ class Loader:
         if not self.random_access:
             raise StateError(f"seek() needs random access to steps, which {self._why()} prevents; "
                              "restore a saved state instead.")
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise PlanError(f"step must be a non-negative integer, got {step!r}")
+        step = self.plan.check_step(step)
         self._stop_pending()
-        self._step = int(step)
+        self._step = step
 
     def restore(self, state: Mapping[str, Any], *, allow_batch_change: bool = False) -> None:
         """Continues from `state` (saved at any data-parallel degree of the same plan).
@@ -358,6 +380,10 @@ class Loader:
         step = position.get("step") if isinstance(position, Mapping) else None
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateError(f"the state's step {step!r} is not a non-negative integer")
+        if step > self.plan.max_step:
+            raise StateError(f"the state's step {step} is beyond the last step this plan addresses "
+                             f"({self.plan.max_step}, from 2**62 positions); the state was edited or "
+                             "is corrupt — restore an earlier checkpoint.")
         lanes = position.get("lanes")
         if not isinstance(lanes, Mapping):
             raise StateError(f"the state's 'lanes' is {type(lanes).__name__}, expected an object "
@@ -370,11 +396,16 @@ class Loader:
                              "belongs to another plan.")
         missing = [int(l) for l in self.owned if str(int(l)) not in lanes]
         if missing:
+            has = sorted(int(k) for k in lanes)
+            held = f"lanes {has[0]}..{has[-1]}" if has == list(range(has[0], has[-1] + 1)) else f"lanes {has[:8]}"
             raise StateError(f"the state lacks lanes {missing[:8]}{'...' if len(missing) > 8 else ''} "
-                             "that this rank owns; merge every rank's state with merge_states() "
-                             "before restoring at a different data-parallel degree.")
+                             f"that this loader (rank {self.rank} of {self.world}) owns; it holds "
+                             f"{held if has else 'no lanes'} — another rank's (or worker's) state. "
+                             "Restore each rank's own state, or merge every rank's state with "
+                             "merge_states() and restore that at any data-parallel degree.")
         limits = [self.plan.lanes.branch_length(b) for b in range(self.branches)]
-        parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix, limits)
+        parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix, limits,
+                                      self.plan.lanes.max_index)
                   for l in self.owned]
         shift = lane_shift_of(position) if lane_shift is None else int(lane_shift)
         if self.plan.lane_offset(step) + shift < 0:
@@ -399,6 +430,23 @@ class Loader:
         self._lane_states = parsed
 
 
+def _check_picklable(ops: Sequence[Any]) -> None:
+    """Worker processes receive the operators pickled: one that cannot be (a lambda, a closure)
+    is refused when the loader is built, naming it, rather than at the batch that first ships it."""
+    import pickle
+
+    for op in ops:
+        chains = getattr(op, "chains", None)
+        for inner in ([t for chain in chains.values() for t in chain] if chains else [op]):
+            try:
+                pickle.dumps(inner, protocol=5)
+            except Exception as e:
+                raise PlanError(f"operator {getattr(inner, 'op_name', type(inner).__name__)} cannot be "
+                                f"pickled for processes() ({type(e).__name__}: {e}); define its "
+                                "function at module level (no lambda or closure), or use the "
+                                "threads() runner.") from e
+
+
 def _nodes(node: Any) -> Iterator[Any]:
     yield node
     kids = getattr(node, "children", None) or ((node.child,) if hasattr(node, "child") else ())
@@ -412,10 +460,18 @@ def check_state(state: Any) -> None:
         raise StateError("not a Zephon loader state (no 'zephon_state' key); pass the dict that "
                          "Loader.state() (or state_dict()/get_state()) returned.")
     check_state_version(state)
+    if state["zephon_state"] == 2:
+        raise StateError(f"this state has format 2 (before checksums); this Zephon reads format "
+                         f"{STATE_VERSION}. Upgrade its file with `zephon state resign FILE` (after "
+                         "checking it is the checkpoint you mean), then load it again.")
     if state["zephon_state"] != STATE_VERSION:
         raise StateError(f"this state has format {state['zephon_state']!r}; this Zephon reads format "
                          f"{STATE_VERSION}. It was written by an older Zephon: restart from step 0 "
                          "or resume with the version that wrote it.")
+    if "checksum" in state and state["checksum"] != state_checksum(state):
+        raise StateError("this state fails its 'checksum': it changed after save_state wrote it (a "
+                         "flipped bit or an edit) and could resume another stream. Load the file with "
+                         "load_state(); if you edited it on purpose, `zephon state resign FILE`.")
     step = state.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise StateError(f"checkpoint step {step!r} is not a non-negative integer")
@@ -436,7 +492,17 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             if s.get(key) != head.get(key):
                 raise StateError(f"cannot merge states with different {key}: "
                                  f"{s.get(key)!r} != {head.get(key)!r}")
-    head["lanes"] = {k: v for s in states for k, v in s["lanes"].items()}
+    lanes: dict[str, Any] = {}
+    for i, s in enumerate(states):
+        for k, v in s["lanes"].items():
+            if k in lanes and lanes[k] != v:  # the result would depend on the argument order
+                raise StateError(f"cannot merge: lane {k} appears in two states with different "
+                                 f"positions ({lanes[k]!r} and, in state {i}, {v!r}); they were not "
+                                 "taken at the same step of one run. Merge the states every rank "
+                                 "saved at one step.")
+            lanes[k] = v
+    head.pop("checksum", None)  # a file's checksum: the merged document is a new one
+    head["lanes"] = lanes
     return head
 
 

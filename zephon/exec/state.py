@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import StateError
-
-_LIMIT = 1 << 62  # positions beyond this are edits, not progress (and would overflow int64 math)
+from zephon.plan import MAX_POSITION
 
 
 @dataclass(frozen=True)
@@ -48,22 +47,25 @@ class LaneState:
 
     @staticmethod
     def from_json(obj: Any, lane: int | str = "?", branches: int = 1, mixed: bool = False,
-                  limits: Sequence[int | None] = ()) -> LaneState:
-        """Parses and checks one lane's JSON; `limits` are the inputs each branch's lane has."""
+                  limits: Sequence[int | None] = (), bound: int = MAX_POSITION) -> LaneState:
+        """Parses and checks one lane's JSON; `limits` are the inputs each branch's lane has,
+        `bound` the input index no lane reaches (`Lanes.max_index`: beyond it a stream position
+        `index × lanes + lane` would wrap round in int64)."""
         where = f"lane {lane} of the state"
         if not isinstance(obj, Mapping):
             raise StateError(f"{where} is {type(obj).__name__}, expected an object with 'cursor'")
 
-        def ints(key: str, n: int, default: int | None = None) -> tuple[int, ...]:
+        def ints(key: str, n: int, default: int | None = None, top: int = bound) -> tuple[int, ...]:
             v = obj.get(key)
             if v is None and default is not None:
                 return (default,) * n
             if isinstance(v, int) and not isinstance(v, bool) and n == 1:
                 v = [v]
             if (not isinstance(v, list) or len(v) != n
-                    or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < _LIMIT for x in v)):
+                    or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < top for x in v)):
                 raise StateError(f"{where} has an invalid {key!r}: {v!r}; expected {n} non-negative "
-                                 "integer(s). The state was edited or belongs to another pipeline.")
+                                 f"integer(s) below {top}. The state was edited or belongs to another "
+                                 "pipeline.")
             return tuple(v)
 
         cursor = ints("cursor", branches)
@@ -74,11 +76,15 @@ class LaneState:
                                  f"{limit} inputs ('cursor'); the state was edited or belongs to "
                                  "another plan.")
         skip = ints("skip", branches, 0)
-        mix = ints("mix", branches) if mixed else ()
+        mix = ints("mix", branches, top=MAX_POSITION) if mixed else ()
+        for b, m in enumerate(mix):  # a token counter counts inputs the branch already consumed
+            if m and cursor[b] == 0 and skip[b] == 0:
+                raise StateError(f"{where} counts {m} tokens of source branch {b} ('mix') but has "
+                                 "not read an input of it ('cursor' 0); the state was edited.")
         held_raw = obj.get("held", [])
         if (not isinstance(held_raw, list) or any(
                 not isinstance(h, list) or len(h) != 3 or any(isinstance(x, bool) or not isinstance(x, int)
-                                                              or not 0 <= x < _LIMIT for x in h)
+                                                              or not 0 <= x < bound for x in h)
                 or h[0] >= branches for h in held_raw)):
             raise StateError(f"{where} has an invalid 'held' list {held_raw!r}; expected "
                              "[branch, input, output] triples.")
