@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from zephon.backends.torch.batch import Emitter
-from zephon.backends.torch.placement import MeshDims, data_parallel, mesh_data_parallel, to_dtensors
+from zephon.backends.torch.placement import MeshDims, all_gather_fn, data_parallel, mesh_data_parallel, to_dtensors
 from zephon.backends.torch.state import state_document
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
@@ -31,6 +31,11 @@ class TorchLoader:
     `group`), or come from `mesh` (then fields are `DTensor`s sharded on dim 0 over
     `mesh_dims`); plus the `Emitter` options `dtypes`, `pin_memory`, `device`. Other keyword
     arguments go to `zephon.Loader` (e.g. `read_ahead`). `close()` closes the runner.
+
+    A finite plan ends at the same step on every rank (ranks agree through `torch.distributed`
+    when its pipeline changes the number of records), `len()` is the steps left, and every
+    `iter()` after the first starts the next epoch — the order `repeat()` gives its next pass —
+    unless `set_epoch(e)` or `load_state_dict` chose where the next one starts.
     """
 
     def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Operator] = (), *,
@@ -49,8 +54,11 @@ class TorchLoader:
             rank, world = mesh_data_parallel(mesh, mesh_dims)
         else:
             rank, world = data_parallel(rank, world, group)
+        loader_options.setdefault("all_gather", all_gather_fn(group))
         self.loader = Loader(plan, sources, transforms, seed=seed, rank=rank, world=world,
                              runner=runner, start_step=start_step, **loader_options)
+        self.loader.settle_end()
+        self._fresh = True  # the next iter() continues here instead of starting the next epoch
         self.emitter = Emitter.make(dtypes, pin_memory, device)
         self._mesh, self._mesh_dims = mesh, mesh_dims
 
@@ -67,10 +75,28 @@ class TorchLoader:
         """The next global batch this loader yields."""
         return self.loader.step
 
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    def __len__(self) -> int:
+        """Global batches left in this epoch of a finite plan (TypeError if it repeats forever)."""
+        return len(self.loader)
+
     def __iter__(self) -> TorchLoader:
+        if not self._fresh and self.loader.finite:
+            self.set_epoch(self.loader.epoch + 1)
+        self._fresh = False
         return self
 
+    def set_epoch(self, epoch: int) -> None:
+        """The next `iter()` starts pass `epoch` over the finite plan (torch's convention)."""
+        self.loader.set_epoch(epoch)
+        self.loader.settle_end()
+        self._fresh = True
+
     def __next__(self) -> dict[str, Any]:
+        self._fresh = False
         out = self.emitter(next(self.loader))
         return out if self._mesh is None else to_dtensors(out, self._mesh, self._mesh_dims)
 
@@ -82,6 +108,8 @@ class TorchLoader:
         """Continues after the batches `state` had yielded (any emitter's state, saved at any
         data-parallel degree; merge every rank's with `zephon.merge_states` first)."""
         self.loader.restore(state)
+        self.loader.settle_end()
+        self._fresh = True
 
     def close(self) -> None:
         self.loader.close()

@@ -12,18 +12,21 @@ What it yields, `LocalBatch` (with `micro_batches(n)`), is defined in `zephon.ex
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon.checkpoint import STATE_VERSION, check_state_version
+from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.batch import LocalBatch, check_micro_count
+from zephon.exec.end import AllGather, FiniteEnd
 from zephon.exec.lanes import LaneEngine
+from zephon.exec.padding import VALID, Schema
 from zephon.exec.pipeline import LanePipeline
-from zephon.exec.state import LaneState
+from zephon.exec.state import LaneState, check_state, merge_states
 from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps, leaf_sources
 from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transforms
 from zephon.ops.mix import PerSource
@@ -47,7 +50,7 @@ def _as_ops(transforms: Sequence[Any], per_source: Mapping[int, Sequence[Transfo
     return ops
 
 
-class Loader:
+class Loader(FiniteEnd):
     """Iterates global batches `start, start+1, ...` of a plan, materialising owned rows only.
 
     Args:
@@ -66,12 +69,24 @@ class Loader:
       read_ahead: rows one read aims for (default `READ_AHEAD_ROWS`). Changes speed, never data.
       lanes: produce only these of the rank's lanes (in lane order) — how DataLoader workers
         split a rank's lanes; `position()`/`state()` then cover just them (merge them).
+      all_gather: for a finite plan whose pipeline changes the number of records, how ranks
+        agree on its end (`zephon.exec.end`): a function `[ints] -> every rank's [ints]` through
+        the distributed runtime in use (the torch and JAX emitters pass theirs). Without one a
+        rank of world > 1 counts every lane itself (same answer, more work).
+      epoch: the pass over a finite plan (the order `repeat()` gives its pass `epoch`);
+        `set_epoch(e)` moves to another, and the state records it.
+      end: the plan's end step when the caller already knows it (e.g. a DataLoader's main
+        process counted it for its workers): no counting.
+
+    A finite plan ends at the same step on every rank (see `Batch.remainder`): `len(loader)` is
+    the number of steps left.
     """
 
     def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
                  transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
                  seed: int = 0, rank: int = 0, world: int = 1, runner: Runner | None = None, start_step: int = 0,
-                 read_ahead: int | None = None, lanes: Sequence[int] | None = None) -> None:
+                 read_ahead: int | None = None, lanes: Sequence[int] | None = None,
+                 all_gather: AllGather | None = None, epoch: int = 0, end: int | None = None) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         self.plan = plan
@@ -84,12 +99,12 @@ class Loader:
                 raise PlanError(f"Source id {s.id} declares {s.size} records but its record source "
                                 f"has {len(self.sources[s.id])}; build the plan from len(source).")
         if isinstance(plan.lanes.child, Mix) is False and any(
-                isinstance(n, Mix) and n.by == "tokens" for n in _nodes(plan)):
-            raise PlanError("a Mix by tokens must be the direct child of .lanes(L): its schedule runs "
-                            "inside every lane.")
+                isinstance(n, Mix) and n.sequential for n in _nodes(plan)):
+            raise PlanError("a Mix by tokens (or with stop='all') must be the direct child of "
+                            ".lanes(L): its schedule runs inside every lane.")
         self.pipeline = LanePipeline.split(_as_ops(transforms, per_source))
         self.transforms = self.pipeline.ops
-        for what, v in (("seed", seed), ("rank", rank), ("world", world)):
+        for what, v in (("seed", seed), ("rank", rank), ("world", world), ("epoch", epoch)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise PlanError(f"Loader({what}=...) must be a non-negative integer, got {v!r}")
         self.seed = int(seed)
@@ -101,6 +116,12 @@ class Loader:
                 raise PlanError(f"lanes={list(lanes)} must be a non-empty, increasing subset of the "
                                 f"lanes rank {self.rank} of {self.world} owns ({self.owned.tolist()}).")
             self.owned = sub
+        self.all_gather = all_gather
+        self.epoch = int(epoch)
+        self._ends: dict[int, int | None] = {} if end is None else {self.epoch: int(end)}
+        self._schema: Schema | None = None
+        self._done = False  # the plan ended here (no more batches until set_epoch/restore)
+        self._exhausted = False  # every owned lane ran out: the steps left to the end are padding
         self.branches = len(plan.lanes.branches)
         self.token_mix = self.branches > 1
         #: Whether batches are random access (every lane position is `step × B/L`).
@@ -108,7 +129,7 @@ class Loader:
         self.one_to_one = self.random_access
         self.runner = runner
         self.read_ahead = READ_AHEAD_ROWS if read_ahead is None else check_positive_int(read_ahead, "read_ahead")
-        self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed)
+        self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed, self.epoch)
         self._pending: Iterator[tuple[Columns, Refs]] | None = None
         self._engine: LaneEngine | None = None
         self._step = 0
@@ -120,7 +141,11 @@ class Loader:
                 raise StateError(f"this pipeline changes the number of records ({self._why()}), so "
                                  f"its lanes cannot jump to step {start_step}; restore a state saved "
                                  "by state() instead.")
-            self._lane_states = [LaneState.start(self.branches, 0, self.token_mix) for _ in self.owned]
+            self._lane_states = self._start_states()
+
+    def _start_states(self, lanes: np.ndarray | None = None) -> list[LaneState]:
+        return [LaneState.start(self.branches, 0, self.token_mix)
+                for _ in (self.owned if lanes is None else lanes)]
 
     def _why(self) -> str:
         if self.pipeline.acc is not None:
@@ -139,12 +164,16 @@ class Loader:
         return self
 
     def _batch(self, step: int, cols: Columns, refs: Refs | None = None,
-               segments: Any = None) -> LocalBatch:
+               segments: Any = None, valid: np.ndarray | None = None) -> LocalBatch:
         if self.pipeline.post:
             post_refs = Refs(np.repeat(self.owned, self.plan.per_lane),
                              step * self.plan.per_lane + np.tile(np.arange(self.plan.per_lane), len(self.owned)),
                              np.full(len(self.owned) * self.plan.per_lane, -1, np.int64))
             cols, _ = run_transforms(self.pipeline.post, cols, post_refs, self.seed ^ 0x5EED)
+        if self.plan.pad:
+            if valid is None:
+                valid = refs.source >= 0 if refs is not None else np.ones(len(self.owned) * self.plan.per_lane, bool)
+            cols = {**cols, VALID: valid}
         return LocalBatch(step, cols, self.owned, self.plan.per_lane, self.plan.size, refs, segments)
 
     def __next__(self) -> LocalBatch:
@@ -161,18 +190,11 @@ class Loader:
                 raise
             batch = self._batch(self._step, cols, refs)
         else:
-            if self._engine is None:
-                self._engine = LaneEngine(self.plan, self.sources, self.pipeline, self.owned, self.seed,
-                                          self.runner, self.read_ahead, self._lane_states, self._step)
-            try:
-                cols, prov = self._engine.next()
-            except BaseException:
-                self._stop_pending()  # state stays after the last yielded batch
-                raise
+            cols, prov, valid = self._engine_step()
             if isinstance(prov, Refs):
-                batch = self._batch(self._step, cols, refs=prov)
+                batch = self._batch(self._step, cols, refs=prov, valid=valid)
             else:
-                batch = self._batch(self._step, cols, segments=prov)
+                batch = self._batch(self._step, cols, segments=prov, valid=valid)
         self._step += 1
         return batch
 
@@ -185,6 +207,15 @@ class Loader:
         if engine is not None:
             self._lane_states = engine.states
             engine.close()
+
+    def _moved(self, step: int, epoch: int) -> None:
+        """The loader was put at `step` of `epoch` (a seek or a restore)."""
+        self._stop_pending()
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._task = dataclasses.replace(self._task, epoch=epoch)
+        self._step = step
+        self._done = self._exhausted = False
 
     def _need_random_access(self, what: str) -> None:
         if not self.random_access:
@@ -236,15 +267,21 @@ class Loader:
             acc = self.pipeline.acc is not None
             states = self._engine.states if self._engine is not None else self._lane_states
             lanes = {str(int(l)): s.to_json(acc) for l, s in zip(self.owned, states)}
-        return {"step": self._step, "lanes": lanes}
+        out: dict[str, Any] = {"step": self._step, "lanes": lanes}
+        if self.epoch:  # the pass over a finite plan (absent: the first)
+            out["epoch"] = self.epoch
+        return out
 
     def state_from(self, position: Mapping[str, Any]) -> dict[str, Any]:
         """A full state document from a `position()` taken earlier (backends prefetch ahead)."""
         import zephon
 
-        return {"zephon_state": STATE_VERSION, "zephon_version": zephon.__version__, **self.identity(),
-                "plan": self.plan.to_json(),
-                "step": position["step"], "lanes": position["lanes"]}
+        out = {"zephon_state": STATE_VERSION, "zephon_version": zephon.__version__, **self.identity(),
+               "plan": self.plan.to_json(),
+               "step": position["step"], "lanes": position["lanes"]}
+        if position.get("epoch"):
+            out["epoch"] = position["epoch"]
+        return out
 
     def state(self) -> dict[str, Any]:
         """JSON state after the last yielded batch: identity, step, owned lanes' states."""
@@ -257,8 +294,7 @@ class Loader:
                              "restore a saved state instead.")
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise PlanError(f"step must be a non-negative integer, got {step!r}")
-        self._stop_pending()
-        self._step = int(step)
+        self._moved(int(step), self.epoch)
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Continues from `state` (saved at any data-parallel degree of the same plan)."""
@@ -288,6 +324,9 @@ class Loader:
         step = position.get("step") if isinstance(position, Mapping) else None
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateError(f"the state's step {step!r} is not a non-negative integer")
+        epoch = position.get("epoch", 0)
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise StateError(f"the state's epoch {epoch!r} is not a non-negative integer")
         lanes = position.get("lanes")
         if not isinstance(lanes, Mapping):
             raise StateError(f"the state's 'lanes' is {type(lanes).__name__}, expected an object "
@@ -303,7 +342,8 @@ class Loader:
             raise StateError(f"the state lacks lanes {missing[:8]}{'...' if len(missing) > 8 else ''} "
                              "that this rank owns; merge every rank's state with merge_states() "
                              "before restoring at a different data-parallel degree.")
-        limits = [self.plan.lanes.branch_length(b) for b in range(self.branches)]
+        limits = [None if (lim := self.plan.lanes.lane_limits(self.owned, b, self.plan.pad)) is None
+                  else int(lim.max(initial=0)) for b in range(self.branches)]
         parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix, limits)
                   for l in self.owned]
         if self.random_access:
@@ -312,10 +352,9 @@ class Loader:
                     raise StateError(f"lane {int(l)} of the state is at input {st.cursor[0]}, but step "
                                      f"{step} of this one-to-one pipeline puts every lane at "
                                      f"{step * self.plan.per_lane}; the state was edited.")
-            self.seek(step)
+            self._moved(step, epoch)
             return
-        self._stop_pending()
-        self._step = step
+        self._moved(step, epoch)
         self._lane_states = parsed
 
 
@@ -324,40 +363,6 @@ def _nodes(node: Any) -> Iterator[Any]:
     kids = getattr(node, "children", None) or ((node.child,) if hasattr(node, "child") else ())
     for c in kids:
         yield from _nodes(c)
-
-
-def check_state(state: Any) -> None:
-    """Refuses what is not a Zephon state of a version this Zephon reads, naming the problem."""
-    if not isinstance(state, Mapping) or "zephon_state" not in state:
-        raise StateError("not a Zephon loader state (no 'zephon_state' key); pass the dict that "
-                         "Loader.state() (or state_dict()/get_state()) returned.")
-    check_state_version(state)
-    if state["zephon_state"] != STATE_VERSION:
-        raise StateError(f"this state has format {state['zephon_state']!r}; this Zephon reads format "
-                         f"{STATE_VERSION}. It was written by an older Zephon: restart from step 0 "
-                         "or resume with the version that wrote it.")
-    step = state.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise StateError(f"checkpoint step {step!r} is not a non-negative integer")
-
-
-def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Unions the lane states of every rank's `state()` taken at the same step."""
-    if not states:
-        raise StateError("merge_states needs at least one state")
-    for s in states:
-        check_state(s)
-        if not isinstance(s.get("lanes"), Mapping):
-            raise StateError(f"a state's 'lanes' is {type(s.get('lanes')).__name__}, expected an "
-                             "object {lane: state}; pass states as Loader.state() returns them.")
-    head = dict(states[0])
-    for s in states[1:]:
-        for key in ("plan_fingerprint", "seed", "pipeline", "step"):
-            if s.get(key) != head.get(key):
-                raise StateError(f"cannot merge states with different {key}: "
-                                 f"{s.get(key)!r} != {head.get(key)!r}")
-    head["lanes"] = {k: v for s in states for k, v in s["lanes"].items()}
-    return head
 
 
 __all__ = ["JSON", "LaneState", "Loader", "LocalBatch", "Operator", "check_micro_count", "check_state",

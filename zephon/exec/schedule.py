@@ -34,20 +34,24 @@ class TokenSchedule:
 
     starts: tuple[int, ...]  # the step each set of weights applies from: 0, then the schedule's
     inv_weights: tuple[np.ndarray, ...]  # 1 / normalised weight (inf for 0: never chosen), per set
-    count_field: str
+    count_field: str | None  # None: a mix by samples (each record counts one)
+    read_all: bool = False  # Mix(stop="all"): an exhausted branch drops out, the others go on
 
     @staticmethod
     def of(mix: Mix) -> TokenSchedule:
         stretches = mix.weights_from()
         inv = tuple(np.where(w > 0, 1.0 / np.where(w > 0, w, 1.0), np.inf) for _, w in stretches)
-        return TokenSchedule(tuple(s for s, _ in stretches), inv, mix.count_field)
+        return TokenSchedule(tuple(s for s, _ in stretches), inv,
+                             mix.count_field if mix.by == "tokens" else None, mix.stop == "all")
 
     def restarts(self, step: int) -> bool:
         """Whether the weights change at `step` (the lanes' counters start from zero there)."""
         return step in self.starts[1:]
 
     def count(self, cols: Columns, r: int) -> int:
-        """What the mix counts for row r: the length of its `count_field` column."""
+        """What the mix counts for row r: the length of its `count_field` column (by samples: 1)."""
+        if self.count_field is None:
+            return 1
         v = cols.get(self.count_field)
         if v is None:
             raise PlanError(f"a Mix by tokens counts the length of column {self.count_field!r}, "
@@ -58,8 +62,10 @@ class TokenSchedule:
     def candidates(self, peek: Peek, count: int, mix: Sequence[int], step: int
                    ) -> tuple[list[tuple[Window, int]], list[int]]:
         """The lane's next `count` inputs for `step` and their branches, from the lane's counters
-        `mix`; fewer when a branch's lane ran out (a finite mix ends there)."""
-        inv_weights = self.inv_weights[bisect.bisect_right(self.starts, step) - 1]
+        `mix`; fewer when a branch's lane ran out (a finite mix ends there) — or, reading every
+        child whole, when every branch with a weight ran out (until then the exhausted ones
+        drop out and the rest keep their relative weights)."""
+        inv_weights = self.inv_weights[bisect.bisect_right(self.starts, step) - 1].copy()
         counts = np.array(mix, np.float64)
         nb = len(counts)
         depth = [0] * nb
@@ -67,11 +73,17 @@ class TokenSchedule:
         rows: list[tuple[Window, int]] = []
         branches: list[int] = []
         while len(rows) < count:
-            b = int(np.argmin(counts * inv_weights))
+            score = np.where(np.isinf(inv_weights), np.inf, counts * inv_weights)
+            b = int(np.argmin(score))
+            if not np.isfinite(score[b]):
+                break  # every branch with a weight ran out
             if depth[b] == len(peeked[b]):
                 peeked[b] = peek(b, depth[b] + max(4, count))
                 if depth[b] == len(peeked[b]):
-                    break
+                    if not self.read_all:
+                        break
+                    inv_weights[b] = np.inf
+                    continue
             win, r = peeked[b][depth[b]]
             depth[b] += 1
             rows.append((win, r))

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from zephon.checkpoint import STATE_VERSION, check_state_version
 from zephon.errors import StateError
 
 _LIMIT = 1 << 62  # positions beyond this are edits, not progress (and would overflow int64 math)
@@ -97,3 +98,37 @@ def canonical(cursor: np.ndarray, skip: np.ndarray, expands: bool) -> tuple[np.n
     if expands:
         return cursor, skip
     return cursor + (skip > 0), np.zeros_like(skip)
+
+
+def check_state(state: Any) -> None:
+    """Refuses what is not a Zephon state of a version this Zephon reads, naming the problem."""
+    if not isinstance(state, Mapping) or "zephon_state" not in state:
+        raise StateError("not a Zephon loader state (no 'zephon_state' key); pass the dict that "
+                         "Loader.state() (or state_dict()/get_state()) returned.")
+    check_state_version(state)
+    if state["zephon_state"] != STATE_VERSION:
+        raise StateError(f"this state has format {state['zephon_state']!r}; this Zephon reads format "
+                         f"{STATE_VERSION}. It was written by an older Zephon: restart from step 0 "
+                         "or resume with the version that wrote it.")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise StateError(f"checkpoint step {step!r} is not a non-negative integer")
+
+
+def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Unions the lane states of every rank's `state()` taken at the same step."""
+    if not states:
+        raise StateError("merge_states needs at least one state")
+    for s in states:
+        check_state(s)
+        if not isinstance(s.get("lanes"), Mapping):
+            raise StateError(f"a state's 'lanes' is {type(s.get('lanes')).__name__}, expected an "
+                             "object {lane: state}; pass states as Loader.state() returns them.")
+    head = dict(states[0])
+    for s in states[1:]:
+        for key in ("plan_fingerprint", "seed", "pipeline", "step", "epoch"):
+            if s.get(key) != head.get(key):
+                raise StateError(f"cannot merge states with different {key}: "
+                                 f"{s.get(key)!r} != {head.get(key)!r}")
+    head["lanes"] = {k: v for s in states for k, v in s["lanes"].items()}
+    return head

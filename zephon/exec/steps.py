@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zephon.errors import PlanError
+from zephon.exec.padding import Schema, scatter, schema_of
 from zephon.ops.base import Transform, run_transforms
 from zephon.plan import Batch, Node, Refs, Source
 from zephon.sources.base import Columns, RecordSource
@@ -79,8 +80,10 @@ READ_AHEAD_ROWS = 16384
 READ_AHEAD_BYTES = 16 << 20
 
 
-def steps_refs(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: int = 1) -> Refs:
-    """The refs of steps start, start+stride, ... (`count` of them, rows owned by `lanes`).
+def steps_refs(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: int = 1,
+               epoch: int = 0) -> Refs:
+    """The refs of steps start, start+stride, ... (`count` of them, rows owned by `lanes`) in
+    pass `epoch` over the plan; with `remainder="pad"`, rows past a lane's end have source -1.
 
     Equal to concatenating `plan.refs(s, lanes)` over those steps, but resolved in one
     vectorised call, which is what makes small batches cheap.
@@ -98,7 +101,18 @@ def steps_refs(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: i
     within = np.tile(np.arange(b, dtype=np.int64), len(lanes))
     steps = start + stride * np.arange(count, dtype=np.int64)
     index = (steps[:, None] * b + within).ravel()
-    return plan.lanes.resolve_lanes(lane, index)
+    if plan.pad:
+        limit = plan.lanes.lane_limits(lane, 0, pad=True)
+        ok = index < limit if limit is not None else np.ones(len(index), bool)
+        if not ok.all():
+            refs = plan.lanes.resolve_lanes(lane[ok], index[ok], 0, epoch)
+            full = []
+            for v in (refs.source, refs.record, refs.epoch):
+                c = np.full(len(index), -1, np.int64)
+                c[ok] = v
+                full.append(c)
+            return Refs(full[0], full[1], full[2])
+    return plan.lanes.resolve_lanes(lane, index, 0, epoch)
 
 
 @dataclass(frozen=True)
@@ -145,6 +159,7 @@ class StepTask:
     transforms: tuple[Transform, ...]
     lanes: np.ndarray
     seed: int
+    epoch: int = 0
 
     def __call__(self, step: int) -> tuple[Columns, Refs]:
         result = self.run(step, 1)
@@ -153,7 +168,10 @@ class StepTask:
 
     def run(self, start: int, count: int, stride: int = 1) -> GroupResult:
         try:
-            refs = steps_refs(self.plan, start, count, self.lanes, stride)
+            refs = steps_refs(self.plan, start, count, self.lanes, stride, self.epoch)
+            valid = refs.source >= 0
+            if not valid.all():  # the padded end of a finite plan
+                return self._padded(start, count, stride, refs, valid)
             cols = read_refs(self.sources, refs)
         except Exception:
             if count == 1:
@@ -171,6 +189,32 @@ class StepTask:
                     return _failed(start, out)
             out.append((part, step_refs))
         return GroupResult(start, out)
+
+    def _padded(self, start: int, count: int, stride: int, refs: Refs, valid: np.ndarray) -> GroupResult:
+        """Steps with padding rows: each step's valid rows read and transformed, then placed
+        among zero rows shaped like a real row (padding rows keep their refs at -1)."""
+        rows = len(refs) // count
+        out: list[tuple[Columns, Refs]] = []
+        for k in range(count):
+            cut = slice(k * rows, (k + 1) * rows)
+            step_refs, ok = refs.take(cut), valid[cut]
+            try:
+                real = step_refs.take(ok)
+                part = read_refs(self.sources, real) if len(real) else {}
+                if self.transforms and len(real):
+                    part, _ = run_transforms(self.transforms, part, real, self.seed)
+                out.append((scatter(part, ok, None if len(real) else self._schema()), step_refs))
+            except Exception:
+                return _failed(start, out)
+        return GroupResult(start, out)
+
+    def _schema(self) -> Schema | None:
+        """What a row of this plan looks like: its first record, read and transformed."""
+        first = self.plan.lanes.resolve_lanes(np.zeros(1, np.int64), np.zeros(1, np.int64), 0, self.epoch)
+        cols = read_refs(self.sources, first)
+        if self.transforms:
+            cols, _ = run_transforms(self.transforms, cols, first, self.seed)
+        return schema_of(cols)
 
     def _one_by_one(self, start: int, count: int, stride: int) -> GroupResult:
         out: list[tuple[Columns, Refs]] = []
