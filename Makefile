@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e '.[all,test,lint]'
+	$(PIP) install --quiet -c constraints.txt -e '.[all,test,lint,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -57,3 +57,18 @@ soak: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+.PHONY: dist docs
+# The wheel and sdist (python -m build), then the wheel alone in a fresh venv with only the core
+# dependencies: a numpy loader runs and the CLI answers --help (what `pip install zephon-loader` gives).
+dist: $(STAMP)
+	rm -rf dist build/smoke-venv && mkdir -p build
+	$(PY) -m build --outdir dist . > build/dist.log 2>&1 || (cat build/dist.log; exit 1)
+	$(PYTHON) -m venv build/smoke-venv
+	build/smoke-venv/bin/python -m pip install --quiet -c constraints.txt dist/*.whl
+	cd build && smoke-venv/bin/python ../tests/smoke_wheel.py
+	build/smoke-venv/bin/zephon --help > /dev/null && echo "wheel smoke test: zephon --help ok"
+
+# The docs site (MkDocs, Material theme, API reference from the docstrings), warnings as errors.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir build/site

@@ -48,7 +48,7 @@ def test_one_version_everywhere(capsys):
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     declared = re.search(r'^version = "([^"]+)"$', text, re.M).group(1)
     assert zephon.__version__ == declared
-    assert importlib.metadata.version("zephon") == declared, "reinstall: pip install -e ."
+    assert importlib.metadata.version("zephon-loader") == declared, "reinstall: pip install -e ."
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"zephon {declared}"

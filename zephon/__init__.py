@@ -2,8 +2,13 @@
 
 The sequence of global batches is a pure function of the plan and the step. It does not change
 with the number of devices, hosts, workers, the micro-batch size, the backend, or a stop/resume.
+
+The distribution is `zephon-loader`; `zephon` on the package index is another project that also
+imports as `zephon`. Both cannot share an environment (one overwrites the other's files), so an
+import that finds the other one installed says so once.
 """
 
+from zephon._distribution import warn_if_shadowed
 from zephon.checkpoint import load_state, save_state
 from zephon.errors import DecodeError, PlanError, SourceError, StateError, WorkerError, ZephonError
 from zephon.exec.loader import Loader, LocalBatch, merge_states
@@ -19,4 +24,6 @@ __all__ = [
     "Repeat", "Shuffle", "Skip", "Slice", "Source", "SourceError", "StateError", "Step", "Take",
     "Transform", "WorkerError", "ZephonError", "load_state", "merge_states", "save_state",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
+
+warn_if_shadowed()

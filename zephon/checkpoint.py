@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from zephon._distribution import version as installed_version
 from zephon.errors import StateError
 from zephon.jsondoc import json_object
 
@@ -147,15 +148,6 @@ def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
             _writing.discard(tmp)
 
 
-def _zephon_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("zephon")
-    except Exception:
-        return "unknown"
-
-
 def _what_binary(data: bytes) -> str | None:
     """Names a non-JSON file format from its first bytes, or None."""
     if data[:1] == b"\x80":
@@ -186,8 +178,8 @@ def check_state_version(state: Mapping[str, Any], where: str = "the state") -> N
         wrote = state.get("zephon_version")
         to = f" to {wrote} or newer" if isinstance(wrote, str) else ""
         raise StateError(f"{where} has state format {version}, written by a newer Zephon; this "
-                         f"Zephon ({_zephon_version()}) reads formats up to {STATE_VERSION}. "
-                         f"Upgrade Zephon{to} (pip install -U zephon) to resume from it.")
+                         f"Zephon ({installed_version()}) reads formats up to {STATE_VERSION}. "
+                         f"Upgrade Zephon{to} (pip install -U zephon-loader) to resume from it.")
 
 
 def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:

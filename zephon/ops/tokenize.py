@@ -33,7 +33,7 @@ def _load_hf(spec: Any) -> Any:
     try:
         import tokenizers
     except ImportError as e:  # pragma: no cover - the [lm] extra
-        raise PlanError("Tokenize needs Hugging Face `tokenizers`: pip install 'zephon[lm]'") from e
+        raise PlanError("Tokenize needs Hugging Face `tokenizers`: pip install 'zephon-loader[lm]'") from e
     if isinstance(spec, tokenizers.Tokenizer):
         return spec
     path = os.fspath(spec)
