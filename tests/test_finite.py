@@ -98,6 +98,12 @@ def test_pad_emits_every_record_exactly_once_and_drop_is_todays():
         same(global_steps(ranks(pad, src, list, d)), got)
     assert len(z.Loader(drop, src)) == 6 and len(list(z.Loader(drop, src))) == 6
     assert "valid" not in next(z.Loader(drop, src)).data
+    done = z.Loader(pad, src, rank=1, world=2)
+    for _ in done:
+        pass
+    at_end = z.Loader(pad, src, rank=2, world=4)
+    at_end.restore(done.state())  # a state at the end restores (its cursors are past short lanes)
+    assert len(at_end) == 0 and list(at_end) == []
 
 
 @pytest.mark.parametrize("remainder", ["drop", "pad"])

@@ -344,6 +344,8 @@ class Loader(FiniteEnd):
                              "before restoring at a different data-parallel degree.")
         limits = [None if (lim := self.plan.lanes.lane_limits(self.owned, b, self.plan.pad)) is None
                   else int(lim.max(initial=0)) for b in range(self.branches)]
+        if self.random_access and self.plan.num_steps is not None:  # cursors are step × rows, padding too
+            limits = [self.plan.num_steps * self.plan.per_lane]
         parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix, limits)
                   for l in self.owned]
         if self.random_access:
