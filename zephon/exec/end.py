@@ -239,7 +239,7 @@ class FiniteEnd:
                             states, step, self.epoch)
         local = count_end(engine, step, self.plan.pad)
         self._schema = self._schema or local.schema
-        end = agree(local, self.all_gather if not everything or self.all_gather else None, self.plan.pad)
+        end = agree(local, None if everything else self.all_gather, self.plan.pad)  # all lanes: no one to ask
         self._ends[self.epoch] = end
         return end
 
