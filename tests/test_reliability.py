@@ -422,7 +422,8 @@ TRUNCATED_UNDER_READER = textwrap.dedent("""
     from zephon.sources import ParquetSource
     if sys.argv[2] == "mmap":  # what ParquetSource did before: memory-mapped files
         import pyarrow.parquet as pq
-        ParquetSource._open = staticmethod(lambda p, verify=True: pq.ParquetFile(p, memory_map=True))
+        ParquetSource._open = staticmethod(lambda p, verify=True, metadata=None: pq.ParquetFile(
+            p, memory_map=True, metadata=metadata))
     src = ParquetSource(sys.argv[1], cache_row_groups=0, decode_threads=1)
     src.read(np.arange(10))  # the file is open now
     os.truncate(sys.argv[1], os.path.getsize(sys.argv[1]) // 2)  # another process shrinks it

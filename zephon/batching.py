@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
+from zephon.batchsize import BatchSizes, parse_schedule, steps_from_tokens
 from zephon.errors import PlanError
 from zephon.mixing import Mix, _gather_children
 from zephon.plan import Mapping, Node, Refs, _check_int
@@ -114,10 +116,40 @@ class Lanes(Node, kind="Lanes"):
         """Stream position of input `index` of lane `lanes` (broadcast)."""
         return np.asarray(index, np.int64) * self.count + np.asarray(lanes, np.int64)
 
-    def batch(self, size: int, remainder: Remainder = "drop") -> Batch:
+    def batch(self, size: int | None = None, *, schedule: Sequence[tuple[int, int]] | None = None,
+              by: Literal["steps", "tokens"] = "steps", seq_len: int | None = None,
+              remainder: Remainder = "drop") -> Batch:
         """The plan's root: global batches of `size` rows, `size / count` from every lane;
-        `remainder` ("drop" or "pad") decides the end of a finite plan (see `Batch`)."""
-        return Batch(self, size, remainder)
+        `remainder` ("drop" or "pad") decides the end of a finite plan (see `Batch`).
+
+        Or a batch-size `schedule` (a ramp-up), part of the plan: `((0, 256), (2000, 512), ...)`
+        — from step 0 256 rows, from step 2000 512, ... With `by="tokens"` the first numbers are
+        tokens seen (rows of `seq_len` tokens, e.g. packed), converted to steps by
+        `zephon.batchsize.steps_from_tokens`. Every size must be a multiple of `count`.
+        """
+        if schedule is None:
+            if by != "steps" or seq_len is not None:
+                raise PlanError("by= and seq_len= describe a schedule: pass schedule=((0, B0), (t1, B1), ...)")
+            if size is None:
+                raise PlanError("batch() needs a size, e.g. .batch(256), or schedule=((0, 256), (2000, 512))")
+            return Batch(self, size, remainder=remainder)
+        if by == "tokens":
+            if seq_len is None:
+                raise PlanError("a batch schedule by tokens needs seq_len= (the tokens of one row)")
+            entries = steps_from_tokens(schedule, seq_len)
+        elif by == "steps":
+            if seq_len is not None:
+                raise PlanError("seq_len= only applies to a schedule by='tokens'")
+            entries = parse_schedule(schedule)
+        else:
+            raise PlanError(f"a batch schedule is by 'steps' or 'tokens', got by={by!r}")
+        if not entries or entries[0][0] != 0:
+            raise PlanError(f"a batch schedule starts at step 0 (the size of the first batches), got "
+                            f"{entries[:1]}; e.g. schedule=((0, 256), (2000, 512)).")
+        if size is not None and size != entries[0][1]:
+            raise PlanError(f"batch({size}, schedule=...) disagrees with the schedule's first size "
+                            f"{entries[0][1]}; give the schedule only.")
+        return Batch(self, entries[0][1], tuple(entries[1:]), remainder)
 
     def resolve_lanes(self, lanes: np.ndarray, index: np.ndarray, branch: int = 0, epoch: int = 0) -> Refs:
         """Record references of input `index` of lane `lanes` (of `branch`; broadcast), in pass
@@ -164,9 +196,11 @@ Remainder = Literal["drop", "pad"]
 
 @dataclass(frozen=True)
 class Batch(Node, kind="Batch"):
-    """The plan's root: global batch k holds size/lanes outputs of every lane, lane-major.
+    """The plan's root: global batch k holds B(k)/lanes outputs of every lane, lane-major.
 
-    Row j of batch k is output (k * per_lane + j % per_lane) of lane j // per_lane.
+    `size` is B from step 0; `schedule` lists `(step, size)` changes after it (a ramp-up).
+    With `p = B(k)/L` and `o(k) = Σ_{j<k} B(j)/L` (`zephon.batchsize`), row j of batch k is
+    output `o(k) + j % p` of lane `j // p`.
 
     `remainder` decides the end of a finite plan, the same at every data-parallel degree:
     "drop" ends at the last step every lane fills (records past it are not emitted); "pad"
@@ -177,6 +211,7 @@ class Batch(Node, kind="Batch"):
 
     child: Lanes
     size: int
+    schedule: tuple[tuple[int, int], ...] = ()
     remainder: Remainder = "drop"
 
     def __post_init__(self) -> None:
@@ -186,24 +221,55 @@ class Batch(Node, kind="Batch"):
             raise PlanError("Batch must wrap a Lanes node: build plans as "
                             "stream.lanes(L).batch(B) (B divisible by L).")
         _check_int("Batch.size", self.size, 1)
-        if self.size % self.child.count:
-            raise PlanError(f"batch size {self.size} is not divisible by lanes={self.child.count}; "
-                            f"every lane contributes the same number of rows, so choose a batch "
-                            f"size that is a multiple of {self.child.count}.")
+        entries = parse_schedule(self.schedule)
+        if any(step < 1 for step, _ in entries):
+            raise PlanError(f"Batch.schedule lists changes from step 1 on (Batch.size is step 0's), got "
+                            f"{entries}; build it with .batch(schedule=((0, B0), (k1, B1), ...)).")
+        object.__setattr__(self, "schedule", tuple(entries))
+        BatchSizes(self.child.count, self.size, self.schedule)  # checks the sizes
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        if not self.schedule:  # plans with one size keep the fingerprints they always had
+            del out["schedule"]
+        else:
+            out["schedule"] = [list(e) for e in self.schedule]
+        if self.remainder == "drop":  # and plans that drop the remainder
+            del out["remainder"]
+        return out
 
     @property
     def lanes(self) -> Lanes:  # type: ignore[override]
         return self.child
 
+    @functools.cached_property
+    def sizes(self) -> BatchSizes:
+        """The global batch size of every step (vectorised lookups and prefix sums)."""
+        return BatchSizes(self.child.count, self.size, self.schedule)
+
     @property
     def per_lane(self) -> int:
+        """Outputs every lane gives a step — of a plan with one batch size."""
+        if self.schedule:
+            raise PlanError("this plan has a batch-size schedule, so a lane's share of a batch depends "
+                            "on the step: use per_lane_at(step) / size_at(step).")
         return self.size // self.child.count
 
-    def to_json(self) -> dict[str, Any]:
-        out = super().to_json()
-        if self.remainder == "drop":  # plans without one keep the fingerprints they always had
-            del out["remainder"]
-        return out
+    def per_lane_at(self, step: int) -> int:
+        """Outputs every lane gives step `step`: `B(step) / lanes`."""
+        return int(self.sizes.per_lane(step))
+
+    def size_at(self, step: int) -> int:
+        """The global batch size of step `step`."""
+        return self.per_lane_at(step) * self.child.count
+
+    def lane_offset(self, step: int) -> int:
+        """Outputs every lane gave steps before `step` (where step `step` starts in every lane)."""
+        return int(self.sizes.offset(step))
+
+    def tokens_before(self, step: int, seq_len: int) -> int:
+        """Tokens of the steps before `step`, for rows of `seq_len` tokens (packed rows)."""
+        return self.lane_offset(step) * self.child.count * seq_len
 
     @property
     def pad(self) -> bool:
@@ -213,11 +279,20 @@ class Batch(Node, kind="Batch"):
     def length(self) -> int | None:
         """Number of global batches of a one-to-one pipeline; None if infinite (or if the
         plan's lanes are followed in sequence, like a mix by tokens: the data decides)."""
+        return self.steps_over(0)
+
+    def steps_over(self, shift: int) -> int | None:
+        """Steps of a one-to-one pipeline whose lane positions are moved by `shift` (a run
+        resumed at another batch size): whole steps dropping, steps with any row padding."""
         if self.pad:
             lim = self.child.lane_limits(np.arange(self.child.count), 0, pad=True)
-            return None if lim is None or len(self.child.branches) > 1 else -(-int(lim.max()) // self.per_lane)
+            if lim is None or len(self.child.branches) > 1:
+                return None
+            most = int(lim.max()) - shift
+            k = self.sizes.steps_within(most)
+            return k + int(int(self.sizes.offset(k)) < most)
         n = self.child.lane_length()
-        return None if n is None else n // self.per_lane
+        return None if n is None else self.sizes.steps_within(n - shift)
 
     num_steps = length
 
@@ -231,9 +306,7 @@ class Batch(Node, kind="Batch"):
         """
         _check_step(step)
         lanes = np.arange(self.child.count, dtype=np.int64) if lanes is None else np.asarray(lanes, np.int64)
-        b = self.per_lane
-        lane = np.repeat(lanes, b)
-        index = step * b + np.tile(np.arange(b, dtype=np.int64), len(lanes))
+        lane, index, _ = self.sizes.rows(np.array([step], np.int64), lanes)
         return lane, index
 
     def refs(self, step: int, lanes: np.ndarray | None = None) -> Refs:

@@ -20,10 +20,19 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from zephon.backends.jax.batch import Emitter, JaxBatch
-from zephon.backends.jax.placement import BatchAxes, Shardings, _check_shardings, _describe, batch_sharding, plan_layout
+from zephon.backends.jax.placement import (
+    BatchAxes,
+    Shardings,
+    _check_shardings,
+    _describe,
+    batch_sharding,
+    num_batch_shards,
+    plan_layout,
+)
 from zephon.backends.jax.prefetch import _End, _Failure, _Prefetcher
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
+from zephon.exec.resize import check_micro_schedule
 from zephon.ops.base import Operator
 from zephon.plan import Batch
 from zephon.runners.base import Runner
@@ -48,6 +57,12 @@ class JaxLoader:
         holds at most 2 * prefetch + 1 batches beyond the one the caller has.
       exclude: fields not to emit (e.g. raw bytes kept for debugging in the numpy backend).
       seed, runner, start_step: passed to `zephon.Loader`.
+      micro_batches: the micro-batch count the train step cuts every batch into: checked up
+        front against every size of the plan's batch-size schedule, per device block of rows.
+
+    With a batch-size schedule (`batch(schedule=...)`) the arrays' leading dim is `B(k)` at step
+    k, so a `jax.jit`-compiled train step retraces (and compiles) once per distinct batch size —
+    a ramp of 3 sizes compiles 3 times, then hits the cache.
 
     The process's data-parallel rank and degree come from the mesh and `jax.process_index()`.
     Use it as a context manager or call `close()` to stop the prefetch thread promptly.
@@ -75,6 +90,9 @@ class JaxLoader:
         self.emit = Emitter(shardings, frozenset(exclude))
         first = shardings if isinstance(shardings, NamedSharding) else next(iter(shardings.values()))
         self.layout = plan_layout(plan, first)
+        micro = loader_options.pop("micro_batches", None)
+        if micro is not None:
+            check_micro_schedule(plan, micro, num_batch_shards(first))
         log.info("process %d loads row block %d of %d of every global batch (%s)", jax.process_index(),
                  self.layout.rank, self.layout.world, _describe(first))
         self.prefetch = prefetch
@@ -167,10 +185,11 @@ class JaxLoader:
         """
         return self._loader.state_from(copy.deepcopy(self._state))
 
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """Continues from `state` (from any mesh or data-parallel degree of the same plan)."""
+    def restore(self, state: Mapping[str, Any], *, allow_batch_change: bool = False) -> None:
+        """Continues from `state` (from any mesh or data-parallel degree of the same plan; with
+        `allow_batch_change=True`, also one saved under another global batch size)."""
         self._halt()
-        self._loader.restore(state)
+        self._loader.restore(state, allow_batch_change=allow_batch_change)
         self._loader.settle_end()
         self._state = self._loader.position()
         self._ended = None

@@ -114,10 +114,12 @@ def plan_layout(plan: Batch, sharding: NamedSharding, process: int | None = None
     Every error names the mesh axes and sizes involved and what to change.
     """
     shards = num_batch_shards(sharding)
-    if plan.size % shards:
-        raise PlanError(
-            f"batch size {plan.size} is not divisible by the {shards} batch shards of the "
-            f"{_describe(sharding)}; use a batch size that is a multiple of {shards}.")
+    for step, size in plan.sizes.stretches():
+        if size % shards:
+            raise PlanError(
+                f"batch size {size}{f' (from step {step})' if step else ''} is not divisible by the "
+                f"{shards} batch shards of the {_describe(sharding)}; use batch sizes that are "
+                f"multiples of {shards}.")
     ranks = process_ranks(sharding, process_of)
     process = jax.process_index() if process is None else process
     if process not in ranks:

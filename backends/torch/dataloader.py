@@ -40,7 +40,8 @@ class _MarkParts:
 
 
 def join_parts(parts: Sequence[WorkerPart], per_lane: int, pin: bool = False) -> TorchBatch:
-    """The rows of all parts, in lane order (one concatenation per field)."""
+    """The rows of all parts, in lane order (one concatenation per field); `per_lane` rows of
+    every lane (the step's: a batch-size schedule changes it)."""
     if len(parts) == 1 and not pin:
         return TorchBatch(parts[0].data)
     lanes = np.concatenate([np.asarray(p.lanes, np.int64) for p in parts])
@@ -146,7 +147,7 @@ class ZephonDataLoader(DataLoader):
     def _joined(self, parts: Iterator[WorkerPart], generation: int, step: int) -> Iterator[dict[str, Any]]:
         workers = self.num_workers
         pin = self.pin_memory and _can_pin()
-        per_lane = self.dataset.plan.per_lane  # type: ignore[attr-defined]
+        plan = self.dataset.plan  # type: ignore[attr-defined]
         while True:
             group: list[WorkerPart] = []
             for w in range(workers):
@@ -157,9 +158,11 @@ class ZephonDataLoader(DataLoader):
                     return
                 group.append(part)
             self._superseded(generation)
-            batch = join_parts(group, per_lane, pin)
+            batch = join_parts(group, plan.per_lane_at(step), pin)
+            shift = group[0].position.get("lane_shift")  # a run resumed at another batch size
             self._position = {"step": step + 1,
                               "lanes": {k: v for p in group for k, v in p.position["lanes"].items()},
+                              **({"lane_shift": shift} if shift else {}),
                               **({"epoch": group[0].position["epoch"]} if "epoch" in group[0].position else {})}
             step += 1
             yield batch
@@ -168,10 +171,12 @@ class ZephonDataLoader(DataLoader):
         """The Zephon state after the last batch handed out (see the module doc)."""
         return self.dataset.state_from(self._current())  # type: ignore[attr-defined]
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_batch_change: bool = False) -> None:
         """The next `iter()` continues after the batches `state` had handed out (a state of any
-        emitter, saved at any data-parallel degree; merge every rank's with `merge_states`)."""
-        self.dataset.restore(state)  # type: ignore[attr-defined]
+        emitter, saved at any data-parallel degree; merge every rank's with `merge_states`).
+        `allow_batch_change=True` accepts a state saved under another global batch size (see
+        `zephon.Loader.restore`)."""
+        self.dataset.restore(state, allow_batch_change=allow_batch_change)  # type: ignore[attr-defined]
         self._consumed, self._position = 0, None
         self._generation += 1
         self._fresh = True

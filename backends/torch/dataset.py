@@ -162,11 +162,12 @@ class ZephonIterableDataset(IterableDataset):
             return self.rank * workers + worker, self.world * workers
         return self.rank + worker * self.world, self.world * workers
 
-    def restore(self, state: Mapping[str, Any]) -> None:
+    def restore(self, state: Mapping[str, Any], *, allow_batch_change: bool = False) -> None:
         """Future iterations start after the batches `state` had yielded: a state of any
-        emitter (`state_dict()`, `Loader.state()`, ...) saved at any data-parallel degree."""
+        emitter (`state_dict()`, `Loader.state()`, ...) saved at any data-parallel degree
+        (and, with `allow_batch_change=True`, under another global batch size)."""
         main = self._main_loader()
-        main.restore(state)  # checks plan, seed, pipeline and lanes
+        main.restore(state, allow_batch_change=allow_batch_change)  # checks plan, seed, pipeline and lanes
         self._start = main.position()
         self._end = None
         self.settle()
@@ -207,8 +208,7 @@ class ZephonIterableDataset(IterableDataset):
     def __len__(self) -> int:
         """Batches left from the start state in its epoch (finite plans only)."""
         main = self._main_loader()
-        if main.epoch != self.epoch:
-            main.set_epoch(self.epoch)
+        main.seek_position(self._start)  # its epoch, and a run resumed at another batch size
         n = main.end_step()
         if n is None:
             raise TypeError("this Zephon dataset has no length: its plan repeats forever.")

@@ -104,10 +104,12 @@ class TorchLoader:
         """The Zephon state after the last batch this loader yielded (see the module doc)."""
         return state_document(self.loader.state(), self.loader)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_batch_change: bool = False) -> None:
         """Continues after the batches `state` had yielded (any emitter's state, saved at any
-        data-parallel degree; merge every rank's with `zephon.merge_states` first)."""
-        self.loader.restore(state)
+        data-parallel degree; merge every rank's with `zephon.merge_states` first).
+        `allow_batch_change=True` accepts a state saved under another global batch size: every
+        lane continues where it stopped (see `zephon.Loader.restore`)."""
+        self.loader.restore(state, allow_batch_change=allow_batch_change)
         self.loader.settle_end()
         self._fresh = True
 

@@ -260,12 +260,16 @@ def compile_pipeline(op: _Op, config: _Config) -> _Compiled:
                     "differ from Grain's (which fills one batch from the whole stream); use "
                     "lanes=1 to compare with Grain.", lanes)
     stream = built.node
+    schedule = op.args.get("schedule", ()) if batched else ()
+    if schedule and config.order == "grain":
+        raise PlanError("a batch-size schedule has no Grain order: Grain batches with one size. "
+                        "Use order='zephon' (the default) with batch(schedule=...).")
     if config.order == "grain" and lanes > 1 and not lane_engine:
         # each lane's rows of a step are consecutive Grain elements (Grain's batches); a
         # packing or token-mixed lane consumes documents at its own pace, so it just reads
         # its share of the Grain-ordered stream
         stream = ContiguousBatches(stream, lanes, rows // lanes)
-    plan = stream.lanes(lanes, config.mapping).batch(rows)
+    plan = Batch(stream.lanes(lanes, config.mapping), rows, schedule)
     transforms = with_collate(built.chain) if size is not None else built.chain
     return _Compiled(plan, built.node, dict(enumerate(ctx.sources)), transforms)
 
@@ -320,6 +324,8 @@ def to_grain(op: _Op, memo: dict[int, Any]) -> Any:
         elif k == "batch":
             if isinstance(p, grain.MapDataset) and any(o.kind == "filter" for o in op.upstream()):
                 p = p.to_iter_dataset()  # Grain requires this after filter; same elements
+            if a.get("schedule"):
+                raise PlanError("Grain has no batch-size schedule; compare a pipeline with one batch size.")
             ds = p.batch(a["batch_size"], drop_remainder=a["drop_remainder"])
         else:
             raise PlanError(f"no Grain equivalent for step {k!r}")

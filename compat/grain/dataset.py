@@ -196,15 +196,30 @@ class Dataset:
     def map_with_index(self, transform: Any) -> Dataset:
         return self._then("map_with_index", transform=transform, iter=self._in_iter())
 
-    def batch(self, batch_size: int, *, drop_remainder: bool = False,
-              batch_fn: Callable[[Sequence[Any]], Any] | None = None) -> Dataset:
-        """The global batch. Zephon emits full batches only (as with drop_remainder=True)."""
+    def batch(self, batch_size: int | None = None, *, drop_remainder: bool = False,
+              batch_fn: Callable[[Sequence[Any]], Any] | None = None,
+              schedule: Sequence[tuple[int, int]] | None = None) -> Dataset:
+        """The global batch. Zephon emits full batches only (as with drop_remainder=True).
+
+        `schedule` (Zephon's, not Grain's) is a batch-size ramp `((0, B0), (step1, B1), ...)`
+        that is part of the plan (see `zephon.batchsize`); `batch_size` may then be omitted.
+        """
+        if schedule is not None:
+            from zephon.batchsize import parse_schedule
+
+            entries = parse_schedule(schedule)
+            if not entries or entries[0][0] != 0 or (batch_size is not None and batch_size != entries[0][1]):
+                raise PlanError(f"schedule={list(schedule)!r} must start at step 0 with the batch "
+                                "size (omit batch_size, or give the schedule's first size).")
+            batch_size = entries[0][1]
+            schedule = tuple(entries[1:])
         if batch_fn is not None:
             raise PlanError("batch_fn is not supported: Zephon stacks records into columns itself; "
                             "pad or pack records with map() before batch().")
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise PlanError(f"batch_size must be a positive integer, got {batch_size!r}")
-        return self._then("batch", batch_size=int(batch_size), drop_remainder=bool(drop_remainder))
+        return self._then("batch", batch_size=int(batch_size), drop_remainder=bool(drop_remainder),
+                          **({"schedule": schedule} if schedule else {}))
 
     def to_iter_dataset(self, read_options: Any = None, *, allow_nones: bool = False) -> Dataset:
         """Grain's switch to `IterDataset`; kept so pipelines read the same (Zephon needs no

@@ -99,8 +99,9 @@ class Iterator(grain.DatasetIterator):
             return {**self.loader.state_from(self._before), "elements_taken": self._taken}
         return self.loader.state()
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        """Continues from a state document of any Zephon emitter (or this iterator's)."""
+    def set_state(self, state: dict[str, Any], *, allow_batch_change: bool = False) -> None:
+        """Continues from a state document of any Zephon emitter (or this iterator's);
+        `allow_batch_change=True` accepts one saved under another global batch size."""
         if isinstance(state, Mapping) and "loader" in state and "zephon_state" not in state:
             state = {**state["loader"], "elements_taken": state.get("skip", 0)}  # before 0.2
         if not isinstance(state, Mapping):
@@ -110,7 +111,7 @@ class Iterator(grain.DatasetIterator):
         if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
             raise StateError(f"the state's 'elements_taken' is {skip!r}; expected a non-negative "
                              "integer (elements of the step already returned). The state was edited.")
-        self.loader.restore(state)
+        self.loader.restore(state, allow_batch_change=allow_batch_change)
         self._rows, self._taken, self._used = [], 0, False
         if skip:
             if self.batched:

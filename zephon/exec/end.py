@@ -114,8 +114,13 @@ class FiniteEnd:
     _exhausted: bool
     _engine: LaneEngine | None
     _lane_states: list[LaneState]
+    _everyone: tuple[int, list[LaneState]] | None
     _step: int
     _task: StepTask
+
+    @property
+    def num_steps(self) -> int | None:
+        raise NotImplementedError  # the loader's
 
     def _start_states(self, lanes: np.ndarray | None = None) -> list[LaneState]:
         raise NotImplementedError  # the loader's
@@ -160,7 +165,7 @@ class FiniteEnd:
 
     def _blank_step(self) -> tuple[Columns, Any, np.ndarray]:
         """A step of padding only (this rank's lanes ran out; another rank's have not)."""
-        rows = len(self.owned) * self.plan.per_lane
+        rows = len(self.owned) * self.plan.per_lane_at(self._step)
         schema = self._schema or self._probe_schema()
         prov: Any = ([[] for _ in range(rows)] if self.pipeline.acc is not None
                      else Refs(np.full(rows, -1, np.int64), np.full(rows, -1, np.int64),
@@ -172,7 +177,7 @@ class FiniteEnd:
         for lane in range(self.plan.lanes.count):
             owned = np.array([lane], np.int64)
             engine = LaneEngine(self.plan, self.sources, self.pipeline, owned, self.seed, None,
-                                self.plan.per_lane, self._start_states(owned), 0, self.epoch)
+                                self.plan.per_lane_at(0), self._start_states(owned), 0, self.epoch)
             try:
                 cols, _, valid = engine.next()
             except StopIteration:
@@ -191,7 +196,7 @@ class FiniteEnd:
     def finite(self) -> bool:
         """Whether the plan ends (and so has epochs and a length)."""
         if self.random_access:
-            return self.plan.num_steps is not None
+            return self.num_steps is not None
         limits = [self.plan.lanes.lane_limits(self.owned, b, self.plan.pad) for b in range(self.branches)]
         mix = self.plan.lanes.child
         if self.branches > 1 and isinstance(mix, Mix):
@@ -213,7 +218,7 @@ class FiniteEnd:
 
     def end_if_known(self) -> int | None:
         """The plan's end in this epoch if known without counting (else None)."""
-        return self.plan.num_steps if self.random_access else self._ends.get(self.epoch)
+        return self.num_steps if self.random_access else self._ends.get(self.epoch)
 
     def end_step(self) -> int | None:
         """The step this finite plan ends at in this epoch (its number of global batches), the
@@ -221,7 +226,7 @@ class FiniteEnd:
         of records the first call counts (see `zephon.exec.end`): every rank must call it (the
         emitters do, when they start an epoch)."""
         if self.random_access:
-            return self.plan.num_steps
+            return self.num_steps
         if self.epoch in self._ends:
             return self._ends[self.epoch]
         if not self.finite:
@@ -232,9 +237,9 @@ class FiniteEnd:
             lanes = self.owned
             states = self._engine.states if self._engine is not None else self._lane_states
             step = self._step
-        else:  # every lane of the plan, from its start
+        else:  # every lane of the plan: from a merged state restored here, else from the start
             lanes = np.arange(self.plan.lanes.count, dtype=np.int64)
-            states, step = self._start_states(lanes), 0
+            step, states = self._everyone or (0, self._start_states(lanes))
         engine = LaneEngine(self.plan, self.sources, self.pipeline, lanes, self.seed, None, self.read_ahead,
                             states, step, self.epoch)
         local = count_end(engine, step, self.plan.pad)
@@ -263,6 +268,7 @@ class FiniteEnd:
         self._task = dataclasses.replace(self._task, epoch=self.epoch)
         self._step = 0
         self._done = self._exhausted = False
+        self._everyone = None
         if not self.random_access:
             self._lane_states = self._start_states()
 

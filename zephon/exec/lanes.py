@@ -64,15 +64,16 @@ class LaneEngine(PerLaneAssembly):
         self.nb = len(lanes.branches)
         mix = lanes.child if isinstance(lanes.child, Mix) and lanes.child.sequential else None
         self.schedule = None if mix is None else TokenSchedule.of(mix)
-        self.per = plan.per_lane
+        self._asm_step = step  # the step the simple path assembles next
         self._states = list(states)
         self._simple: tuple[np.ndarray, np.ndarray] | None = None  # (cursor, skip) of the simple path
         self._ready: deque[tuple[Columns, Refs, tuple[np.ndarray, np.ndarray], np.ndarray]] = deque()
         #: steps the simple path assembles in one pass (bounded like a group read)
-        self._group = max(1, min(64, read_ahead // max(1, len(owned) * plan.per_lane)))
+        largest = plan.sizes.largest // lanes.count  # a batch-size ramp's largest share of a lane
+        self._group = max(1, min(64, read_ahead // max(1, len(owned) * largest)))
         starts = tuple(np.array([s.cursor[b] for s in self._states], np.int64) for b in range(self.nb))
-        size = window_size(read_ahead, len(owned), self.per)
-        first = self.per
+        size = window_size(read_ahead, len(owned), largest)
+        first = plan.per_lane_at(step)
         if self.schedule is not None or pipeline.acc is not None:
             # documents (tokenize, pack): ~512 inputs a window keep encode_batch efficient while
             # several windows are in flight on the runner
@@ -225,12 +226,15 @@ class LaneEngine(PerLaneAssembly):
         A lane that ran out fills its rows with padding; StopIteration once every lane ran out."""
         if not self._skip_applied:
             self._apply_skip()
-        n, per = len(self.owned), self.per
+        n, per = len(self.owned), self.plan.per_lane_at(self._asm_step)
         ended = self._ended[0]
         avail = sum((w.bounds[1:] - w.used for w in self.pending[0]), np.zeros(n, np.int64))
         live = avail[~ended]
         ahead = live.min() // per if live.size else -(-int(avail.max(initial=0)) // per)
         steps = int(max(1, min(self._group, ahead)))
+        end = self.plan.sizes.stretch_end(self._asm_step)  # one pass assembles steps of one size
+        if end is not None:
+            steps = min(steps, end - self._asm_step)
         need0 = steps * per
         need = np.full(n, need0, np.int64)
         parts: list[tuple[Window, np.ndarray, np.ndarray]] = []
@@ -296,6 +300,7 @@ class LaneEngine(PerLaneAssembly):
             view = slice(s * rows, (s + 1) * rows)
             self._ready.append(({k: v[view] for k, v in out.items()},
                                 Refs(ref[0, view], ref[1, view], ref[2, view]), position, flat_valid[view]))
+        self._asm_step += steps
 
     def next(self) -> tuple[Columns, Any, np.ndarray]:
         """The next step's owned rows (lane-major), their provenance (refs, or per packed row

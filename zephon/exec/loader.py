@@ -26,6 +26,7 @@ from zephon.exec.end import AllGather, FiniteEnd
 from zephon.exec.lanes import LaneEngine
 from zephon.exec.padding import VALID, Schema
 from zephon.exec.pipeline import LanePipeline
+from zephon.exec.resize import batch_change, check_micro_schedule, lane_shift_of
 from zephon.exec.state import LaneState, check_state, merge_states
 from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps, leaf_sources
 from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transforms
@@ -62,13 +63,16 @@ class Loader(FiniteEnd):
       per_source: `{source id: [row operators]}` applied to that source's rows first — each
         corpus of a mix its own text field, tokenizer or filter.
       seed: seeds data-derived randomness (`RandomMap`); part of the state's identity.
-      rank, world: data-parallel rank and degree; `plan.lanes.count % world == 0`.
+      rank: this process's data-parallel rank, `0 <= rank < world`.
+      world: the data-parallel degree; `plan.lanes.count % world == 0`.
       runner: `zephon.runners.inline()` (default), `threads(n)` or `processes(n)`: computes steps
         (or lane windows) ahead in parallel; changes speed, never data. `close()` closes it.
       start_step: first global batch (random-access pipelines; others restore a state).
       read_ahead: rows one read aims for (default `READ_AHEAD_ROWS`). Changes speed, never data.
       lanes: produce only these of the rank's lanes (in lane order) — how DataLoader workers
         split a rank's lanes; `position()`/`state()` then cover just them (merge them).
+      micro_batches: the micro-batch count the training loop will cut every batch into; checked
+        here, against every batch size of the plan's schedule, instead of at the step it fails.
       all_gather: for a finite plan whose pipeline changes the number of records, how ranks
         agree on its end (`zephon.exec.end`): a function `[ints] -> every rank's [ints]` through
         the distributed runtime in use (the torch and JAX emitters pass theirs). Without one a
@@ -86,7 +90,8 @@ class Loader(FiniteEnd):
                  transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
                  seed: int = 0, rank: int = 0, world: int = 1, runner: Runner | None = None, start_step: int = 0,
                  read_ahead: int | None = None, lanes: Sequence[int] | None = None,
-                 all_gather: AllGather | None = None, epoch: int = 0, end: int | None = None) -> None:
+                 micro_batches: int | None = None, all_gather: AllGather | None = None, epoch: int = 0,
+                 end: int | None = None) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         self.plan = plan
@@ -110,6 +115,8 @@ class Loader(FiniteEnd):
         self.seed = int(seed)
         self.rank, self.world = int(rank), int(world)
         self.owned = plan.lanes.owned(self.rank, self.world)
+        if micro_batches is not None:
+            check_micro_schedule(plan, micro_batches, self.world)
         if lanes is not None:  # a subset of the rank's lanes (e.g. one DataLoader worker's)
             sub = np.asarray(list(lanes), np.int64)
             if sub.ndim != 1 or not sub.size or not np.isin(sub, self.owned).all() or np.any(np.diff(sub) <= 0):
@@ -122,6 +129,8 @@ class Loader(FiniteEnd):
         self._schema: Schema | None = None
         self._done = False  # the plan ended here (no more batches until set_epoch/restore)
         self._exhausted = False  # every owned lane ran out: the steps left to the end are padding
+        #: every lane's state at a step, from a merged state restored here (for counting the end)
+        self._everyone: tuple[int, list[LaneState]] | None = None
         self.branches = len(plan.lanes.branches)
         self.token_mix = self.branches > 1
         #: Whether batches are random access (every lane position is `step × B/L`).
@@ -129,6 +138,8 @@ class Loader(FiniteEnd):
         self.one_to_one = self.random_access
         self.runner = runner
         self.read_ahead = READ_AHEAD_ROWS if read_ahead is None else check_positive_int(read_ahead, "read_ahead")
+        #: lane positions relative to the plan's (a random-access run resumed at another batch size)
+        self._shift = 0
         self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed, self.epoch)
         self._pending: Iterator[tuple[Columns, Refs]] | None = None
         self._engine: LaneEngine | None = None
@@ -165,20 +176,27 @@ class Loader(FiniteEnd):
 
     def _batch(self, step: int, cols: Columns, refs: Refs | None = None,
                segments: Any = None, valid: np.ndarray | None = None) -> LocalBatch:
+        per = self.plan.per_lane_at(step)
         if self.pipeline.post:
-            post_refs = Refs(np.repeat(self.owned, self.plan.per_lane),
-                             step * self.plan.per_lane + np.tile(np.arange(self.plan.per_lane), len(self.owned)),
-                             np.full(len(self.owned) * self.plan.per_lane, -1, np.int64))
+            post_refs = Refs(np.repeat(self.owned, per),
+                             self.plan.lane_offset(step) + self._shift + np.tile(np.arange(per), len(self.owned)),
+                             np.full(len(self.owned) * per, -1, np.int64))
             cols, _ = run_transforms(self.pipeline.post, cols, post_refs, self.seed ^ 0x5EED)
         if self.plan.pad:
             if valid is None:
-                valid = refs.source >= 0 if refs is not None else np.ones(len(self.owned) * self.plan.per_lane, bool)
+                valid = refs.source >= 0 if refs is not None else np.ones(len(self.owned) * per, bool)
             cols = {**cols, VALID: valid}
-        return LocalBatch(step, cols, self.owned, self.plan.per_lane, self.plan.size, refs, segments)
+        return LocalBatch(step, cols, self.owned, per, self.plan.size_at(step), refs, segments)
+
+    @property
+    def num_steps(self) -> int | None:
+        """Global batches of a random-access run (None if infinite or not random access);
+        the plan's `num_steps`, unless it resumed at another batch size."""
+        return self.plan.steps_over(self._shift) if self.random_access else self.plan.num_steps
 
     def __next__(self) -> LocalBatch:
         if self.random_access:
-            n = self.plan.num_steps
+            n = self.num_steps
             if n is not None and self._step >= n:
                 raise StopIteration
             if self._pending is None:
@@ -216,6 +234,7 @@ class Loader(FiniteEnd):
             self._task = dataclasses.replace(self._task, epoch=epoch)
         self._step = step
         self._done = self._exhausted = False
+        self._everyone = None
 
     def _need_random_access(self, what: str) -> None:
         if not self.random_access:
@@ -227,7 +246,7 @@ class Loader(FiniteEnd):
         """Batches start, start+stride, ... with grouped reads, for splitting steps among
         workers (worker w of W takes `strided(first + w, W)`). Leaves `self.step` alone."""
         self._need_random_access("strided()")
-        n = self.plan.num_steps
+        n = self.num_steps
         if n is not None and start >= n:
             return
         for k, (cols, refs) in enumerate(iterate_steps(self._task, self.runner, start, self.read_ahead, stride)):
@@ -261,13 +280,15 @@ class Loader(FiniteEnd):
     def position(self) -> dict[str, Any]:
         """The step and owned lanes' states (cheap; no identity check — see `state`)."""
         if self.random_access:
-            lanes = {str(int(l)): LaneState.start(1, self._step * self.plan.per_lane).to_json()
-                     for l in self.owned}
+            at = self.plan.lane_offset(self._step) + self._shift
+            lanes = {str(int(l)): LaneState.start(1, at).to_json() for l in self.owned}
         else:
             acc = self.pipeline.acc is not None
             states = self._engine.states if self._engine is not None else self._lane_states
             lanes = {str(int(l)): s.to_json(acc) for l, s in zip(self.owned, states)}
         out: dict[str, Any] = {"step": self._step, "lanes": lanes}
+        if self._shift:
+            out["lane_shift"] = self._shift
         if self.epoch:  # the pass over a finite plan (absent: the first)
             out["epoch"] = self.epoch
         return out
@@ -279,8 +300,9 @@ class Loader(FiniteEnd):
         out = {"zephon_state": STATE_VERSION, "zephon_version": zephon.__version__, **self.identity(),
                "plan": self.plan.to_json(),
                "step": position["step"], "lanes": position["lanes"]}
-        if position.get("epoch"):
-            out["epoch"] = position["epoch"]
+        for key in ("lane_shift", "epoch"):
+            if position.get(key):
+                out[key] = position[key]
         return out
 
     def state(self) -> dict[str, Any]:
@@ -296,11 +318,20 @@ class Loader(FiniteEnd):
             raise PlanError(f"step must be a non-negative integer, got {step!r}")
         self._moved(int(step), self.epoch)
 
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """Continues from `state` (saved at any data-parallel degree of the same plan)."""
+    def restore(self, state: Mapping[str, Any], *, allow_batch_change: bool = False) -> None:
+        """Continues from `state` (saved at any data-parallel degree of the same plan).
+
+        A state saved under another global batch size (or schedule) of the same plan is
+        refused, naming both, unless `allow_batch_change=True`: then every lane continues
+        exactly where it stopped — no record skipped or repeated — and the batches from the
+        saved step on are this plan's sizes (`zephon.batchsize`).
+        """
         check_state(state)
         mine = self.identity()
+        old = None
         if state.get("plan_fingerprint") != mine["plan_fingerprint"]:
+            old = batch_change(state.get("plan"), self.plan, allow_batch_change)
+        if state.get("plan_fingerprint") != mine["plan_fingerprint"] and old is None:
             diffs = plan_diff(state.get("plan"), self.plan.to_json())
             raise StateError("this checkpoint was written by another plan (fingerprint "
                              f"{state.get('plan_fingerprint')} != {mine['plan_fingerprint']}); "
@@ -315,12 +346,19 @@ class Loader(FiniteEnd):
             raise StateError("this checkpoint was written by a different pipeline: "
                              f"{'; '.join(diffs[:5])}. Resume with the operators that wrote it (same "
                              "name, version and config), or start from step 0.")
-        self.seek_position(state)
+        shift = None
+        if old is not None:  # the lanes stay where they are; this plan's steps start there
+            step = state["step"]
+            shift = old.lane_offset(step) + lane_shift_of(state) - self.plan.lane_offset(step)
+        if old is not None:
+            self._ends.clear()  # lanes went on under other batch sizes: their end is counted anew
+        self.seek_position(state, lane_shift=shift)
 
-    def seek_position(self, position: Mapping[str, Any]) -> None:
+    def seek_position(self, position: Mapping[str, Any], *, lane_shift: int | None = None) -> None:
         """Continues from a `position()` (or state) of a loader of the same plan and pipeline
         whose lanes include this one's, without the identity check of `restore` — for backends
-        that hand positions between their own workers in one job (pipelines with lambdas too)."""
+        that hand positions between their own workers in one job (pipelines with lambdas too).
+        `lane_shift` overrides the position's (a resume at another batch size)."""
         step = position.get("step") if isinstance(position, Mapping) else None
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateError(f"the state's step {step!r} is not a non-negative integer")
@@ -342,22 +380,34 @@ class Loader(FiniteEnd):
             raise StateError(f"the state lacks lanes {missing[:8]}{'...' if len(missing) > 8 else ''} "
                              "that this rank owns; merge every rank's state with merge_states() "
                              "before restoring at a different data-parallel degree.")
+        shift = lane_shift_of(position) if lane_shift is None else int(lane_shift)
         limits = [None if (lim := self.plan.lanes.lane_limits(self.owned, b, self.plan.pad)) is None
                   else int(lim.max(initial=0)) for b in range(self.branches)]
-        if self.random_access and self.plan.num_steps is not None:  # cursors are step × rows, padding too
-            limits = [self.plan.num_steps * self.plan.per_lane]
+        if self.random_access and (n := self.plan.steps_over(shift)) is not None:
+            limits = [self.plan.lane_offset(n) + shift]  # cursors are the step's position, padding too
         parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix, limits)
                   for l in self.owned]
+        if self.plan.lane_offset(step) + shift < 0:
+            raise StateError(f"the state's lane_shift {shift} puts step {step} before the lanes' "
+                             "first input; the state was edited.")
         if self.random_access:
+            at = self.plan.lane_offset(step) + shift
             for l, st in zip(self.owned, parsed):
-                if st.cursor[0] != step * self.plan.per_lane or st.skip[0]:
+                if st.cursor[0] != at or st.skip[0]:
                     raise StateError(f"lane {int(l)} of the state is at input {st.cursor[0]}, but step "
                                      f"{step} of this one-to-one pipeline puts every lane at "
-                                     f"{step * self.plan.per_lane}; the state was edited.")
+                                     f"{at}; the state was edited.")
+            if shift != self._shift:
+                self._shift = shift
+                self._task = dataclasses.replace(self._task, shift=shift)
             self._moved(step, epoch)
             return
         self._moved(step, epoch)
+        self._shift = shift
         self._lane_states = parsed
+        if len(lanes) == count and len(self.owned) < count:  # a merged state: where every lane is
+            self._everyone = (step, [LaneState.from_json(lanes[str(l)], l, self.branches, self.token_mix, limits)
+                                     for l in range(count)])
 
 
 def _nodes(node: Any) -> Iterator[Any]:
@@ -367,5 +417,5 @@ def _nodes(node: Any) -> Iterator[Any]:
         yield from _nodes(c)
 
 
-__all__ = ["JSON", "LaneState", "Loader", "LocalBatch", "Operator", "check_micro_count", "check_state",
-           "merge_states"]
+__all__ = ["JSON", "LaneState", "Loader", "LocalBatch", "Operator", "check_micro_count", "check_micro_schedule",
+           "check_state", "merge_states"]

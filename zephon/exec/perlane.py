@@ -21,7 +21,7 @@ from zephon.exec.pipeline import LanePipeline
 from zephon.exec.schedule import TokenSchedule
 from zephon.exec.state import LaneState, canonical
 from zephon.exec.windows import Provenance, Window, concat_cols, take_rows
-from zephon.plan import Refs
+from zephon.plan import Batch, Refs
 from zephon.sources.base import Columns
 
 Segment = tuple[int, int, int, int, int]  # (source, record, epoch, token start, token stop)
@@ -33,7 +33,7 @@ class PerLaneAssembly:
     pipeline: LanePipeline
     schedule: TokenSchedule | None
     owned: np.ndarray
-    per: int
+    plan: Batch
     nb: int
     step: int
     _skip_applied: bool
@@ -70,7 +70,7 @@ class PerLaneAssembly:
     def _lane(self, k: int) -> tuple[Columns, int, list[list[Segment]], LaneState]:
         """Lane k's outputs of the step (up to `per`; fewer when its inputs ran out), their
         provenance and the lane's state after them."""
-        per = self.per
+        per = self.plan.per_lane_at(self.step)
         acc = self.pipeline.acc
         if not self._skip_applied:
             self._first_skip(k)
@@ -146,7 +146,7 @@ class PerLaneAssembly:
     def _general_step(self) -> tuple[Columns, Any, np.ndarray]:
         """The owned rows of the next step, their provenance and validity; StopIteration when
         every owned lane ran out (nothing valid is left)."""
-        per = self.per
+        per = self.plan.per_lane_at(self.step)
         held_before = list(self._held)
         lanes = [self._lane(k) for k in range(len(self.owned))]
         if not any(n for _, n, _, _ in lanes):

@@ -126,7 +126,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                              "object {lane: state}; pass states as Loader.state() returns them.")
     head = dict(states[0])
     for s in states[1:]:
-        for key in ("plan_fingerprint", "seed", "pipeline", "step", "epoch"):
+        for key in ("plan_fingerprint", "seed", "pipeline", "step", "lane_shift", "epoch"):
             if s.get(key) != head.get(key):
                 raise StateError(f"cannot merge states with different {key}: "
                                  f"{s.get(key)!r} != {head.get(key)!r}")

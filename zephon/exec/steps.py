@@ -88,19 +88,22 @@ def steps_refs(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: i
     Equal to concatenating `plan.refs(s, lanes)` over those steps, but resolved in one
     vectorised call, which is what makes small batches cheap.
     """
-    n = plan.num_steps
+    return steps_rows(plan, start, count, lanes, stride, 0, epoch)[0]
+
+
+def steps_rows(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: int = 1, shift: int = 0,
+               epoch: int = 0) -> tuple[Refs, np.ndarray]:
+    """`steps_refs` and how many rows each step has (a batch-size schedule changes them);
+    `shift` moves every lane position (a run resumed at another batch size)."""
+    n = plan.num_steps if not shift else _steps_with_shift(plan, shift)
     if start < 0 or count < 1 or stride < 1:
         raise PlanError(f"need start >= 0, count >= 1 and stride >= 1, got start={start}, "
                         f"count={count}, stride={stride}")
     last = start + (count - 1) * stride
     if n is not None and last >= n:
         raise PlanError(f"step {last} runs past the end of the plan ({n} global batches)")
-    b = plan.per_lane
-    lanes = np.asarray(lanes, np.int64)
-    lane = np.tile(np.repeat(lanes, b), count)
-    within = np.tile(np.arange(b, dtype=np.int64), len(lanes))
     steps = start + stride * np.arange(count, dtype=np.int64)
-    index = (steps[:, None] * b + within).ravel()
+    lane, index, rows = plan.sizes.rows(steps, np.asarray(lanes, np.int64), shift)
     if plan.pad:
         limit = plan.lanes.lane_limits(lane, 0, pad=True)
         ok = index < limit if limit is not None else np.ones(len(index), bool)
@@ -111,8 +114,12 @@ def steps_refs(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: i
                 c = np.full(len(index), -1, np.int64)
                 c[ok] = v
                 full.append(c)
-            return Refs(full[0], full[1], full[2])
-    return plan.lanes.resolve_lanes(lane, index, 0, epoch)
+            return Refs(full[0], full[1], full[2]), rows
+    return plan.lanes.resolve_lanes(lane, index, 0, epoch), rows
+
+
+def _steps_with_shift(plan: Batch, shift: int) -> int | None:
+    return plan.steps_over(shift)
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,11 @@ class StepTask:
     lanes: np.ndarray
     seed: int
     epoch: int = 0
+    shift: int = 0  # lane positions relative to the plan's (resumed at another batch size)
+
+    @property
+    def num_steps(self) -> int | None:
+        return self.plan.num_steps if not self.shift else _steps_with_shift(self.plan, self.shift)
 
     def __call__(self, step: int) -> tuple[Columns, Refs]:
         result = self.run(step, 1)
@@ -168,20 +180,21 @@ class StepTask:
 
     def run(self, start: int, count: int, stride: int = 1) -> GroupResult:
         try:
-            refs = steps_refs(self.plan, start, count, self.lanes, stride, self.epoch)
+            refs, rows = steps_rows(self.plan, start, count, self.lanes, stride, self.shift, self.epoch)
             valid = refs.source >= 0
             if not valid.all():  # the padded end of a finite plan
-                return self._padded(start, count, stride, refs, valid)
+                return self._padded(start, rows, refs, valid)
             cols = read_refs(self.sources, refs)
         except Exception:
             if count == 1:
                 return _failed(start, [])
             return self._one_by_one(start, count, stride)  # error path: pin the failure on its step
-        rows = len(refs) // count
+        ends = np.cumsum(rows)
         out: list[tuple[Columns, Refs]] = []
         for k in range(count):
-            part = {name: v[k * rows:(k + 1) * rows] for name, v in cols.items()}
-            step_refs = refs.take(slice(k * rows, (k + 1) * rows))
+            cut = slice(int(ends[k] - rows[k]), int(ends[k]))
+            part = {name: v[cut] for name, v in cols.items()}
+            step_refs = refs.take(cut)
             if self.transforms:
                 try:
                     part, _ = run_transforms(self.transforms, part, step_refs, self.seed)
@@ -190,13 +203,13 @@ class StepTask:
             out.append((part, step_refs))
         return GroupResult(start, out)
 
-    def _padded(self, start: int, count: int, stride: int, refs: Refs, valid: np.ndarray) -> GroupResult:
+    def _padded(self, start: int, rows: np.ndarray, refs: Refs, valid: np.ndarray) -> GroupResult:
         """Steps with padding rows: each step's valid rows read and transformed, then placed
         among zero rows shaped like a real row (padding rows keep their refs at -1)."""
-        rows = len(refs) // count
+        ends = np.cumsum(rows)
         out: list[tuple[Columns, Refs]] = []
-        for k in range(count):
-            cut = slice(k * rows, (k + 1) * rows)
+        for k in range(len(rows)):
+            cut = slice(int(ends[k] - rows[k]), int(ends[k]))
             step_refs, ok = refs.take(cut), valid[cut]
             try:
                 real = step_refs.take(ok)
@@ -253,12 +266,13 @@ def iterate_steps(task: StepTask, runner: Runner | None, start: int, read_ahead:
     yield from first.batches
     first.raise_error()
     plan = task.plan
-    rows = max(1, len(task.lanes) * plan.per_lane)
+    grow = max(b for _, b in plan.sizes.stretches()) / plan.size_at(start)  # a ramp's largest step
+    rows = max(1, int(len(task.lanes) * plan.per_lane_at(start) * grow))
     group = max(1, read_ahead // rows)
     nbytes = sum(v.nbytes for v in first.batches[0][0].values() if v.dtype != object)
     if nbytes:
-        group = max(1, min(group, READ_AHEAD_BYTES // nbytes))
-    n = plan.num_steps
+        group = max(1, min(group, int(READ_AHEAD_BYTES // (nbytes * grow))))
+    n = task.num_steps
     nxt = start + stride
     starts = itertools.count(nxt, group * stride) if n is None else range(nxt, n, group * stride)
     items = ((s, group if n is None else min(group, -(-(n - s) // stride)), stride) for s in starts)

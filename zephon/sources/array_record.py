@@ -13,7 +13,6 @@ import os
 import re
 import threading
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ from ..errors import SourceError
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
+from .parallel import map_files
 from .paths import Paths, expand_paths, shard_name
 from .spec import RawBytes, RecordSpec
 
@@ -67,15 +67,19 @@ def _open_reader(path: str, options: str) -> Any:
 def _count_records(path: str, options: str) -> int:
     reader = _open_reader(path, options)
     try:
-        writer_options = reader.writer_options_string() or ""
-        group = re.search(r"group_size:(\d+)", writer_options)
-        if group and group[1] != "1":
-            log.warning("%s was written with group_size:%s; every random read decompresses a group "
-                        "of records. Rewrite it with group_size:1 for fast shuffled reads.",
-                        path, group[1])
         return int(reader.num_records())
     finally:
         reader.close()
+
+
+def _warn_group_size(path: str, reader: Any) -> None:
+    """Warns when a file's records are compressed in groups (checked when a file is first read,
+    not at construction: on many shards start-up then opens each file for its count only)."""
+    group = re.search(r"group_size:(\d+)", reader.writer_options_string() or "")
+    if group and group[1] != "1":
+        log.warning("%s was written with group_size:%s; every random read decompresses a group "
+                    "of records. Rewrite it with group_size:1 for fast shuffled reads.",
+                    path, group[1])
 
 
 class ArrayRecordSource(FileHandles):
@@ -97,9 +101,10 @@ class ArrayRecordSource(FileHandles):
         self._stamps: list[FileStamp] = [stamp(p, "ArrayRecordSource") for p in self.paths]
         self.spec: RecordSpec = spec if spec is not None else RawBytes()
         self.reader_options = reader_options
-        with ThreadPoolExecutor(min(16, len(self.paths))) as pool:  # opening reads each footer
-            counts = np.fromiter(pool.map(lambda p: _count_records(p, reader_options), self.paths),
-                                 dtype=np.int64, count=len(self.paths))
+        # The only per-file work before the first read: each file's footer, for its count, on a
+        # few threads; readers for reading open lazily, for the shards a read touches.
+        counts = np.array(map_files(lambda p: _count_records(p, reader_options), self.paths),
+                          dtype=np.int64)
         self._ends = np.cumsum(counts)
         self._starts = self._ends - counts
         self._reset()
@@ -129,6 +134,7 @@ class ArrayRecordSource(FileHandles):
                     if err is not None:
                         raise err
                     reader = _open_reader(self.paths[shard], self.reader_options)
+                    _warn_group_size(self.paths[shard], reader)
                     self._readers[shard] = reader
         return reader
 

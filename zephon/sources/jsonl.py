@@ -27,6 +27,7 @@ from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
 from .jsonl_schema import KINDS, checker, hint, kind_of, merge, short, validate_schema
+from .parallel import map_files
 from .paths import Paths, expand_paths
 
 __all__ = ["INFER_RECORDS", "KINDS", "JsonlSource"]
@@ -43,9 +44,10 @@ def _line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Byte [start, end) of every non-empty line; empty lines (blank separators, the newline at
     end of file) are not records. A trailing '\\r' is left to json.loads, which ignores it."""
     newlines = []
-    buf = bytearray(_SCAN_CHUNK)
     offset = 0
     with open(path, "rb") as f:
+        # sized to the file: a small file must not cost a 16 MB buffer (10,000 shards would)
+        buf = bytearray(max(1, min(_SCAN_CHUNK, os.fstat(f.fileno()).st_size + 1)))
         while n := f.readinto(buf):
             chunk = np.frombuffer(buf, dtype=np.uint8, count=n)
             newlines.append(np.flatnonzero(chunk == ord("\n")) + offset)
@@ -103,7 +105,7 @@ class JsonlSource(FileHandles):
         self.paths = expand_paths(paths, "JsonlSource")
         self._stamps: list[FileStamp] = [stamp(p, "JsonlSource") for p in self.paths]
         self.ragged = frozenset(ragged)
-        spans = [_line_spans(p) for p in self.paths]
+        spans = map_files(_line_spans, self.paths)  # every file's line index, on a few threads
         self._file_ends = np.cumsum([len(s) for s, _ in spans])
         self._starts = np.concatenate([s for s, _ in spans])
         self._ends = np.concatenate([e for _, e in spans])
