@@ -13,7 +13,6 @@ What it yields, `LocalBatch` (with `micro_batches(n)`), is defined in `zephon.ex
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,28 +27,13 @@ from zephon.exec.padding import VALID, Schema
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.resize import batch_change, check_micro_schedule, lane_shift_of
 from zephon.exec.state import LaneState, check_state, merge_states
-from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps, leaf_sources
+from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps, leaf_sources, plan_nodes
 from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transforms
-from zephon.ops.mix import PerSource
 from zephon.plan import Batch, Mix, Refs, plan_diff
 from zephon.sources.base import Columns, RecordSource
 
 if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
     from zephon.runners.base import Runner
-
-log = logging.getLogger(__name__)
-
-
-def _as_ops(transforms: Sequence[Any], per_source: Mapping[int, Sequence[Transform]] | None
-            ) -> tuple[Any, ...]:
-    ops = tuple(transforms)
-    if per_source:
-        bad = [k for k in per_source if isinstance(k, bool) or not isinstance(k, (int, np.integer))]
-        if bad:
-            raise PlanError(f"per_source is keyed by Source id (an int), got keys {bad[:4]}")
-        ops = (PerSource({int(k): tuple(v) for k, v in per_source.items()}),) + ops
-    return ops
-
 
 class Loader(FiniteEnd):
     """Iterates global batches `start, start+1, ...` of a plan, materialising owned rows only.
@@ -104,10 +88,10 @@ class Loader(FiniteEnd):
                 raise PlanError(f"Source id {s.id} declares {s.size} records but its record source "
                                 f"has {len(self.sources[s.id])}; build the plan from len(source).")
         if isinstance(plan.lanes.child, Mix) is False and any(
-                isinstance(n, Mix) and n.sequential for n in _nodes(plan)):
+                isinstance(n, Mix) and n.sequential for n in plan_nodes(plan)):
             raise PlanError("a Mix by tokens (or with stop='all') must be the direct child of "
                             ".lanes(L): its schedule runs inside every lane.")
-        self.pipeline = LanePipeline.split(_as_ops(transforms, per_source))
+        self.pipeline = LanePipeline.split(transforms, per_source)
         self.transforms = self.pipeline.ops
         for what, v in (("seed", seed), ("rank", rank), ("world", world), ("epoch", epoch)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
@@ -408,13 +392,6 @@ class Loader(FiniteEnd):
         if len(lanes) == count and len(self.owned) < count:  # a merged state: where every lane is
             self._everyone = (step, [LaneState.from_json(lanes[str(l)], l, self.branches, self.token_mix, limits)
                                      for l in range(count)])
-
-
-def _nodes(node: Any) -> Iterator[Any]:
-    yield node
-    kids = getattr(node, "children", None) or ((node.child,) if hasattr(node, "child") else ())
-    for c in kids:
-        yield from _nodes(c)
 
 
 __all__ = ["JSON", "LaneState", "Loader", "LocalBatch", "Operator", "check_micro_count", "check_micro_schedule",

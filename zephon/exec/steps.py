@@ -47,6 +47,14 @@ def leaf_sources(node: Node) -> list[Any]:
     return [s for c in kids for s in leaf_sources(c)]
 
 
+def plan_nodes(node: Any) -> Iterator[Any]:
+    """Every node of a plan, depth first."""
+    yield node
+    kids = getattr(node, "children", None) or ((node.child,) if hasattr(node, "child") else ())
+    for c in kids:
+        yield from plan_nodes(c)
+
+
 def read_refs(sources: Mapping[int, RecordSource], refs: Refs) -> Columns:
     """Reads the records behind `refs` with one vectorised read per source, in `refs` order."""
     n = len(refs)
