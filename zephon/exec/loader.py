@@ -365,12 +365,15 @@ class Loader(FiniteEnd):
                              "that this rank owns; merge every rank's state with merge_states() "
                              "before restoring at a different data-parallel degree.")
         shift = lane_shift_of(position) if lane_shift is None else int(lane_shift)
-        limits = [None if (lim := self.plan.lanes.lane_limits(self.owned, b, self.plan.pad)) is None
-                  else int(lim.max(initial=0)) for b in range(self.branches)]
+        table = [self.plan.lanes.lane_limits(np.arange(count), b, self.plan.pad) for b in range(self.branches)]
         if self.random_access and (n := self.plan.steps_over(shift)) is not None:
-            limits = [self.plan.lane_offset(n) + shift]  # cursors are the step's position, padding too
-        parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix, limits)
-                  for l in self.owned]
+            table = [np.full(count, self.plan.lane_offset(n) + shift)]  # the step's position, padding too
+
+        def parse(l: int) -> LaneState:
+            limits = [None if t is None else int(t[l]) for t in table]
+            return LaneState.from_json(lanes[str(l)], l, self.branches, self.token_mix, limits)
+
+        parsed = [parse(int(l)) for l in self.owned]
         if self.plan.lane_offset(step) + shift < 0:
             raise StateError(f"the state's lane_shift {shift} puts step {step} before the lanes' "
                              "first input; the state was edited.")
@@ -390,8 +393,7 @@ class Loader(FiniteEnd):
         self._shift = shift
         self._lane_states = parsed
         if len(lanes) == count and len(self.owned) < count:  # a merged state: where every lane is
-            self._everyone = (step, [LaneState.from_json(lanes[str(l)], l, self.branches, self.token_mix, limits)
-                                     for l in range(count)])
+            self._everyone = (step, [parse(l) for l in range(count)])
 
 
 __all__ = ["JSON", "LaneState", "Loader", "LocalBatch", "Operator", "check_micro_count", "check_micro_schedule",
