@@ -5,7 +5,8 @@ tokenizer, and the Zephon pipeline that feeds them to a model.
   prose as two JSONL files, and a byte-level BPE trained on them in-process (no hub).
 - `lm_pipeline`: Zephon mixes the two 60/40 *by tokens* inside every lane, tokenizes each
   document (`Tokenize`, EOS appended) and packs rows of `--seq-len` tokens (`Pack(..., "concat")`:
-  no padding, no token lost). It returns the loader arguments, for any emitter:
+  no padding, no token lost), with a short batch-size warm-up by tokens (`--ramp-from` rows a step
+  until `--ramp-tokens` tokens were seen, then `--batch`). It returns the loader arguments, for any emitter:
   `JaxLoader(**lm_pipeline(out, args), mesh=...)`, `ZephonIterableDataset(**lm_pipeline(out, args))`.
 - `eval_pipeline`: the held-out evaluation set (code files and prose documents not trained on),
   a *finite* plan read whole (`Mix(..., stop="all")`), packed, its last steps padded
@@ -35,8 +36,12 @@ from zephon.textdata import EOS_ID, generate_corpus, python_stdlib_corpus, train
 
 
 def add_data_args(ap: argparse.ArgumentParser, batch_help: str) -> None:
-    """--batch, --lanes, --seq-len, --vocab, --code-every, --prose-docs."""
+    """--batch, --ramp-from, --ramp-tokens, --lanes, --seq-len, --vocab, --code-every, --prose-docs."""
     ap.add_argument("--batch", type=int, default=16, help=batch_help)
+    ap.add_argument("--ramp-from", type=int, default=None,
+                    help="rows a step during the batch-size warm-up (default: half of --batch, a multiple of --lanes)")
+    ap.add_argument("--ramp-tokens", type=int, default=None,
+                    help="tokens of the warm-up before --batch rows a step (default: 2 steps' worth; 0: no warm-up)")
     ap.add_argument("--lanes", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=512)
@@ -59,13 +64,27 @@ def write_data(out: Path, args: argparse.Namespace) -> None:
     write_jsonl(out / "eval_prose.jsonl", generate_corpus(args.eval_docs, seed=3))
 
 
+def describe_batches(plan: z.Batch, seq_len: int) -> str:
+    """The plan's batch sizes, for the log: `8 rows until 2,048 tokens (step 2), then 16`."""
+    stretches = plan.sizes.stretches()
+    parts = [f"{b} rows" + (f" from step {k} ({plan.tokens_before(k, seq_len):,} tokens)" if k else "")
+             for k, b in stretches]
+    return ", then ".join(parts)
+
+
 def lm_pipeline(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The packed, mixed LM pipeline over `write_data`'s files: a loader's plan, sources,
     transforms and per-source tokenizers, as keyword arguments."""
     code, prose = JsonlSource(str(out / "code.jsonl")), JsonlSource(str(out / "prose.jsonl"))
-    plan = z.Mix([z.Source(len(code), id=0).shuffle(seed=1).repeat(),
-                  z.Source(len(prose), id=1).shuffle(seed=2).repeat()],
-                 [0.6, 0.4], by="tokens").lanes(args.lanes).batch(args.batch)
+    lanes = z.Mix([z.Source(len(code), id=0).shuffle(seed=1).repeat(),
+                   z.Source(len(prose), id=1).shuffle(seed=2).repeat()],
+                  [0.6, 0.4], by="tokens").lanes(args.lanes)
+    small = args.ramp_from or max(args.lanes, args.batch // 2 // args.lanes * args.lanes)
+    tokens = 2 * small * args.seq_len if args.ramp_tokens is None else args.ramp_tokens
+    if tokens and small < args.batch:  # a warm-up: the batch size is part of the plan
+        plan = lanes.batch(schedule=((0, small), (tokens, args.batch)), by="tokens", seq_len=args.seq_len)
+    else:
+        plan = lanes.batch(args.batch)
     tokenizer = str(out / "tokenizer.json")
     return {"plan": plan, "sources": [code, prose], "transforms": [Pack(args.seq_len, "concat")],
             "per_source": {0: [Tokenize(tokenizer, field="source", eos=EOS_ID)],

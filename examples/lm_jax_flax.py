@@ -9,7 +9,9 @@ What it does:
 1. Data (`lm_data.py`, shared with `lm_torch_ddp.py`): real code (the Python standard library's
    own sources) and generated prose as two JSONL files, a byte-level BPE trained in-process.
    Zephon mixes them 60/40 by tokens in every lane, tokenizes (`Tokenize`, EOS appended) and
-   packs rows of `--seq-len` tokens (`Pack`, concat).
+   packs rows of `--seq-len` tokens (`Pack`, concat). The batch size warms up by tokens (half of
+   `--batch` rows a step for two steps' tokens, then `--batch`): the arrays' leading dimension
+   changes once, so the jitted train step compiles once per size (twice in all).
 2. Run A on mesh (data=2, fsdp=4): `JaxLoader(..., mesh=mesh, batch_axes=("data", "fsdp"))` gives
    every field as a global `jax.Array` sharded over all 8 devices; parameters (and Adam's moments)
    are sharded over `fsdp` on their largest divisible dimension, replicated over `data` (FSDP).
@@ -174,7 +176,7 @@ def train(args: argparse.Namespace, shape: tuple[int, int], stop: int, *, save_a
     {step: digest of the global batch} and the final model's held-out (loss, tokens)."""
     mesh = make_mesh(shape)
     trainer = Trainer(args, mesh)
-    losses, digests = {}, {}
+    losses, digests, sizes = {}, {}, {}
     with make_loader(args.out, args, mesh) as loader, checkpointer(args.out / "ckpt") as ckpt:
         if resume:
             step = ckpt.latest_step()
@@ -191,10 +193,16 @@ def train(args: argparse.Namespace, shape: tuple[int, int], stop: int, *, save_a
             state, loss = trainer.step(state, batch)
             losses[step] = float(loss)   # a per-step sync (see the module doc)
             digests[step] = digest(batch)
+            sizes[step] = int(batch["tokens"].shape[0])
             if save_at == step + 1:
                 ckpt.save(step + 1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                             loader=ocp.args.JsonSave(loader.state())))
+<<<<<<< HEAD
     return losses, digests, held_out_loss(args, mesh, trainer, state)
+=======
+    print(f"mesh {shape}: global batch rows per step {sizes}")
+    return losses, digests
+>>>>>>> main
 
 
 def digest(batch: dict[str, jax.Array]) -> str:

@@ -10,7 +10,8 @@ What it does, all on CPU:
    prose — and a byte-level BPE trained on them in-process (no hub). Zephon mixes them 60/40
    *by tokens* inside every lane, tokenizes each document in the DataLoader workers (`Tokenize`,
    EOS appended) and packs them into rows of `--seq-len` tokens (`Pack(..., "concat")`: no
-   padding, no token lost).
+   padding, no token lost). The batch size warms up by tokens: half of `--batch` rows a step for
+   the first two steps' tokens, then `--batch` (`batch(schedule=..., by="tokens")`, part of the plan).
 2. Run A: DDP over 2 local gloo processes. Every rank iterates a `ZephonDataLoader` with
    `--workers` DataLoader workers (a packing pipeline: each worker runs a block of the rank's
    lanes) and gets only its rows of each global batch. `batch.micro_batches(n)` cuts the local
@@ -60,7 +61,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+<<<<<<< HEAD
 from lm_data import add_data_args, eval_pipeline, lm_pipeline, row_losses, write_data  # examples/lm_data.py
+=======
+from lm_data import add_data_args, describe_batches, lm_pipeline, write_data  # examples/lm_data.py
+>>>>>>> main
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zephon as z
@@ -73,7 +78,8 @@ def make_loader(out: Path, args: argparse.Namespace) -> ZephonDataLoader:
     dataset = ZephonIterableDataset(
         **lm_pipeline(out, args),
         dtypes={"tokens": torch.int64, "targets": torch.int64, "segment_ids": torch.int64,
-                "positions": torch.int64, "loss_mask": torch.float32})
+                "positions": torch.int64, "loss_mask": torch.float32},
+        micro_batches=args.micro_batches)  # must split this rank's rows at every size of the ramp
     return ZephonDataLoader(dataset, num_workers=args.workers)
 
 
@@ -149,8 +155,9 @@ def ddp_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         model, opt = build(args)
         net = DDP(model)
         loader = make_loader(args.out, args)  # rank/world from torch.distributed: this rank's rows only
-        losses = []
+        losses, sizes = [], []
         for step, batch in zip(range(args.steps), loader):  # range first: zip must not pull an extra batch
+            sizes.append(len(batch["tokens"]) * world)  # the global batch: it grows with the ramp
             tokens = batch["loss_mask"].sum()
             dist.all_reduce(tokens)  # the global batch's loss-token count
             opt.zero_grad()
@@ -175,9 +182,13 @@ def ddp_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         held = [None] * world
         dist.all_gather_object(held, held_out_losses(model, args))  # every rank's rows' token losses
         if rank == 0:
+<<<<<<< HEAD
             (args.out / "run_A.json").write_text(json.dumps(losses))
             scores = [x for part in held for x in part]
             (args.out / "eval_A.json").write_text(json.dumps([math.fsum(scores) / len(scores), len(scores)]))
+=======
+            (args.out / "run_A.json").write_text(json.dumps({"losses": losses, "sizes": sizes}))
+>>>>>>> main
         gc.collect()  # DDP's reducer must be gone before its process group is destroyed
         dist.barrier()
     finally:
@@ -239,7 +250,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(ddp_rank, args=(world, args, port), nprocs=world, join=True)
-    a = json.loads((args.out / "run_A.json").read_text())
+    run_a = json.loads((args.out / "run_A.json").read_text())
+    a = run_a["losses"]
     b = resume(args, world)
 
     print(f"{'step':>5} {'A: 2 DDP ranks':>15} {'B: 1 process':>14}")
@@ -250,6 +262,8 @@ def main() -> None:
           f"{args.micro_batches} micro-batches per rank-step)")
     print(f"B (1 process, resumed at step {split} from A's checkpoint) vs A: max |loss diff| = {diff:.3g}"
           f"{'  (bit for bit)' if diff == 0 else ''}")
+    print(f"batch sizes: {describe_batches(lm_pipeline(args.out, args)['plan'], args.seq_len)}; "
+          f"run A's global batches had {run_a['sizes']} rows")
     print(f"{time.perf_counter() - t0:.0f}s; data, checkpoint and logs in {args.out}")
     eval_a, eval_b = (json.loads((args.out / f"eval_{x}.json").read_text()) for x in "AB")
     print(f"held-out loss ({eval_a[1]} tokens, each once; padding rows skipped): A (2 ranks) {eval_a[0]:.6f}, "

@@ -39,6 +39,7 @@ def test_lm_torch_ddp_resumes_on_one_process_bit_for_bit(tmp_path):
     out = run("examples/lm_torch_ddp.py", "--steps", "6", "--workers", "2", "--micro-batches", "2",
               *SMALL_DATA, "--out", str(tmp_path))
     assert "max |loss diff| = 0  (bit for bit)" in out, out
+    assert "run A's global batches had [8, 8, 16, 16, 16, 16] rows" in out, out  # the warm-up ran
     assert (tmp_path / "checkpoint.pt").exists()
     assert "B (1 process)" in out and "(identical)" in out.split("held-out loss")[1], out
 
@@ -48,9 +49,10 @@ def test_lm_jax_flax_resumes_under_another_mesh_identically(tmp_path):
     pytest.importorskip("optax")
     pytest.importorskip("orbax.checkpoint")
     assert "--xla_force_host_platform_device_count=8" in os.environ.get("XLA_FLAGS", "")  # conftest
-    out = run("examples/lm_jax_flax.py", "--steps", "6", "--batch", "8", "--lanes", "8", *SMALL_DATA,
+    out = run("examples/lm_jax_flax.py", "--steps", "6", "--batch", "16", "--lanes", "8", *SMALL_DATA,
               "--out", str(tmp_path))
     assert "max |loss diff| = 0  (identical)" in out, out
+    assert "global batch rows per step {0: 8, 1: 8, 2: 16, 3: 16, 4: 16, 5: 16}" in out, out  # the warm-up
     assert "global batches of B equal to A's: 3 of 3" in out, out
     assert "(identical)" in out.split("held-out loss")[1], out
 

@@ -23,6 +23,7 @@ from zephon.backends.torch.placement import all_gather_fn, data_parallel
 from zephon.backends.torch.state import seek_position, state_document
 from zephon.errors import PlanError, StateError
 from zephon.exec.loader import Loader
+from zephon.exec.resize import check_micro_schedule
 from zephon.ops.base import Operator
 from zephon.plan import Batch
 from zephon.runners.base import Runner
@@ -74,11 +75,17 @@ class ZephonIterableDataset(IterableDataset):
                  group: dist.ProcessGroup | None = None, runner: Runner | None = None, start_step: int = 0,
                  dtypes: Mapping[str, Any] | None = None, **loader_options: Any) -> None:
         self.plan, self.sources, self.transforms = plan, sources, tuple(transforms)
+<<<<<<< HEAD
         self._all_gather = loader_options.pop("all_gather", None) or all_gather_fn(group)
+=======
+        micro = loader_options.pop("micro_batches", None)  # this rank's rows, not a worker's part
+>>>>>>> main
         self.loader_options = loader_options
         self._end: int | None = None  # the plan's end in the start's epoch, once known
         self.seed, self.runner = int(seed), runner
         self.rank, self.world = data_parallel(rank, world, group)
+        if micro is not None:
+            check_micro_schedule(plan, micro, self.world)
         self.emitter = Emitter.make(dtypes)
         main = self._loader(start_step, main=True)
         self.one_to_one = main.random_access

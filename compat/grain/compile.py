@@ -263,7 +263,7 @@ def compile_pipeline(op: _Op, config: _Config) -> _Compiled:
     schedule = op.args.get("schedule", ()) if batched else ()
     if schedule and config.order == "grain":
         raise PlanError("a batch-size schedule has no Grain order: Grain batches with one size. "
-                        "Use order='zephon' (the default) with batch(schedule=...).")
+                        "Build it with Dataset.source(..., order='zephon') to use batch(schedule=...).")
     if config.order == "grain" and lanes > 1 and not lane_engine:
         # each lane's rows of a step are consecutive Grain elements (Grain's batches); a
         # packing or token-mixed lane consumes documents at its own pace, so it just reads
@@ -326,7 +326,7 @@ def to_grain(op: _Op, memo: dict[int, Any]) -> Any:
                 p = p.to_iter_dataset()  # Grain requires this after filter; same elements
             if a.get("schedule"):
                 raise PlanError("Grain has no batch-size schedule; compare a pipeline with one batch size.")
-            ds = p.batch(a["batch_size"], drop_remainder=a["drop_remainder"])
+            ds = p.batch(a["batch_size"], drop_remainder=a["drop_remainder"], batch_fn=a.get("batch_fn"))
         else:
             raise PlanError(f"no Grain equivalent for step {k!r}")
     memo[id(op)] = ds

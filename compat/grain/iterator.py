@@ -18,7 +18,16 @@ import grain
 from zephon.errors import StateError
 from zephon.exec.loader import Loader, LocalBatch
 
-from .records import RECORD, RNG, collate, elements, unflatten_columns
+from .records import RECORD, RNG, collate, elements, grain_strings, unflatten_columns
+
+
+def sorted_keys(tree: Any) -> Any:
+    """Grain's batches hold dicts with sorted keys (its tree functions sort them)."""
+    if isinstance(tree, dict):
+        return {k: sorted_keys(tree[k]) for k in sorted(tree)}
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(sorted_keys(v) for v in tree)
+    return tree
 
 
 class CollatingLoader(Loader):
@@ -70,7 +79,7 @@ class Iterator(grain.DatasetIterator):
     @staticmethod
     def emit(batch: LocalBatch, *, batched: bool) -> Any:
         if batched:
-            return unflatten_columns(batch.data)
+            return sorted_keys(unflatten_columns({k: grain_strings(v) for k, v in batch.data.items()}))
         return elements(batch.data)
 
     def __next__(self) -> Any:

@@ -41,7 +41,10 @@ def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapp
     state: dict[str, Any] | None = None
     first = builder(config.segments[0].degree, 0)
     run.plan_fingerprint, run.plan_json = first.plan.fingerprint(), first.plan.to_json()
+    batch: int | None = None  # the global batch size a `B=` segment resumed at (and kept)
     for i, seg in enumerate(config.segments):
+        resized = seg.batch is not None and seg.batch != batch
+        batch = seg.batch if seg.batch is not None else batch
         stop = steps if seg.until is None else min(seg.until, steps)
         last = i == len(config.segments) - 1
         if seg.procs > 1:
@@ -51,11 +54,11 @@ def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapp
             run.batches += [None] * len(recs)
             run.excluded |= frozenset(excluded)
             continue
-        sess = _session(builder, seg, ref_dtypes)
+        sess = _session(builder, seg, ref_dtypes, batch)
         try:
             run.excluded |= frozenset(getattr(sess, "excluded", ()))
             if state is not None:
-                sess.restore(state)
+                sess.restore(state, allow_batch_change=resized)
             while len(run.records) < stop:
                 try:
                     out = sess.step()
@@ -122,6 +125,31 @@ def divergence(ref: Run, run: Run) -> tuple[Divergence | None, list[bool]]:
     return found, matches
 
 
+def lane_stream_divergence(ref: Run, run: Run) -> Divergence | None:
+    """Where a lane of `run` (a resume at another batch size) stops continuing the reference's
+    rows of that lane: every lane must emit the same rows in the same order whatever the batch
+    size, so a row skipped or repeated at the resume shows here (None: every lane continued)."""
+    def streams(r: Run) -> dict[int, dict[str, list[tuple[str, int]]]]:
+        out: dict[int, dict[str, list[tuple[str, int]]]] = {}
+        for step, rec in enumerate(r.records):
+            for lane, lr in rec.items():
+                for name, (_, rows) in lr.fields.items():
+                    out.setdefault(lane, {}).setdefault(name, []).extend((d, step) for d in rows)
+        return out
+
+    a, b = streams(ref), streams(run)
+    for lane in sorted(a):
+        for name in sorted(set(a[lane]) - run.excluded):
+            x, y = a[lane][name], b.get(lane, {}).get(name, [])
+            bad = next((j for j in range(min(len(x), len(y))) if x[j][0] != y[j][0]), None)
+            if bad is not None:
+                return Divergence(y[bad][1], lane, None, name,
+                                  f"the {bad}-th row lane {lane} emitted differs from the lane's row "
+                                  "in the reference: the lane did not continue where it stopped at "
+                                  "the change of batch size (a row skipped or repeated)")
+    return None
+
+
 def _reference(builder: Builder, steps: int) -> tuple[Run, dict[str, np.dtype]]:
     ref = run_config(builder, REFERENCE, steps, keep_batches=True)
     if not ref.records:
@@ -160,6 +188,7 @@ def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *
         if finite and near_end:
             parsed += end_resume(len(ref.records), [b for b in BACKENDS if any(
                 seg.backend == b for c in parsed for seg in c.segments)] or ["numpy"])
+        batch_refs: dict[Config, Run] = {}  # numpy D=1 under each set of batch-size changes
         results = [RunResult(REFERENCE.name + " (reference)", "identical", len(ref.records), ref_fps,
                              [True] * len(ref.records), seconds=time.perf_counter() - t)]
         for cfg in parsed:
@@ -174,7 +203,15 @@ def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *
                 if tick is not None:
                     tick()
 
+            base, note = ref, ""
             try:
+                if cfg.changes_batch:  # compared with numpy D=1 under the same changes, whose lanes
+                    key = cfg.batch_reference()  # must continue the reference's rows
+                    if key not in batch_refs:
+                        batch_refs[key] = run_config(builder, key, steps if finite else len(ref.records),
+                                                     ref_dtypes=dtypes, keep_batches=True)
+                    base = batch_refs[key]
+                    note = f"compared with {key.name}"
                 run = run_config(builder, cfg, steps if finite else len(ref.records), ref_dtypes=dtypes,
                                  keep_batches=True, timeout=timeout, on_step=count)
             except _NotApplicable as e:
@@ -186,11 +223,13 @@ def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *
                                          seconds=time.perf_counter() - t,
                                          detail="".join(traceback.format_exception(e)[-4:])))
             else:
-                div, matches = divergence(ref, run)
+                div, matches = divergence(base, run)
+                if base is not ref:
+                    div = lane_stream_divergence(ref, base) or div
                 fps = [record_fingerprint(r) for r in run.records]
-                note = ""
                 if run.excluded:
-                    note = f"not compared: {', '.join(sorted(run.excluded))} (JAX cannot hold them)"
+                    note = "; ".join(x for x in (note, f"not compared: {', '.join(sorted(run.excluded))} "
+                                                      "(JAX cannot hold them)") if x)
                 results.append(RunResult(cfg.name, "identical" if div is None else "differs",
                                          len(run.records), fps, matches, div, note,
                                          time.perf_counter() - t))
