@@ -43,11 +43,8 @@ verify: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/zephon bench
-<<<<<<< HEAD
-	cd benchmarks && ../$(VENV)/bin/python pack.py && ../$(VENV)/bin/python pretokens.py && ../$(VENV)/bin/python finite_end.py
-=======
 	cd benchmarks && ../$(VENV)/bin/python pack.py && ../$(VENV)/bin/python pretokens.py && ../$(VENV)/bin/python batch_resume.py
->>>>>>> main
+	cd benchmarks && ../$(VENV)/bin/python finite_end.py
 	cd benchmarks && ../$(VENV)/bin/python startup.py
 
 .PHONY: experiment

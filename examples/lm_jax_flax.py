@@ -197,12 +197,8 @@ def train(args: argparse.Namespace, shape: tuple[int, int], stop: int, *, save_a
             if save_at == step + 1:
                 ckpt.save(step + 1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                             loader=ocp.args.JsonSave(loader.state())))
-<<<<<<< HEAD
-    return losses, digests, held_out_loss(args, mesh, trainer, state)
-=======
     print(f"mesh {shape}: global batch rows per step {sizes}")
-    return losses, digests
->>>>>>> main
+    return losses, digests, held_out_loss(args, mesh, trainer, state)
 
 
 def digest(batch: dict[str, jax.Array]) -> str:

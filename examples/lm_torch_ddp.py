@@ -61,11 +61,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-<<<<<<< HEAD
-from lm_data import add_data_args, eval_pipeline, lm_pipeline, row_losses, write_data  # examples/lm_data.py
-=======
-from lm_data import add_data_args, describe_batches, lm_pipeline, write_data  # examples/lm_data.py
->>>>>>> main
+from lm_data import add_data_args, describe_batches, eval_pipeline, lm_pipeline, row_losses, write_data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zephon as z
@@ -182,13 +178,9 @@ def ddp_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         held = [None] * world
         dist.all_gather_object(held, held_out_losses(model, args))  # every rank's rows' token losses
         if rank == 0:
-<<<<<<< HEAD
-            (args.out / "run_A.json").write_text(json.dumps(losses))
+            (args.out / "run_A.json").write_text(json.dumps({"losses": losses, "sizes": sizes}))
             scores = [x for part in held for x in part]
             (args.out / "eval_A.json").write_text(json.dumps([math.fsum(scores) / len(scores), len(scores)]))
-=======
-            (args.out / "run_A.json").write_text(json.dumps({"losses": losses, "sizes": sizes}))
->>>>>>> main
         gc.collect()  # DDP's reducer must be gone before its process group is destroyed
         dist.barrier()
     finally:

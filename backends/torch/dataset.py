@@ -75,11 +75,8 @@ class ZephonIterableDataset(IterableDataset):
                  group: dist.ProcessGroup | None = None, runner: Runner | None = None, start_step: int = 0,
                  dtypes: Mapping[str, Any] | None = None, **loader_options: Any) -> None:
         self.plan, self.sources, self.transforms = plan, sources, tuple(transforms)
-<<<<<<< HEAD
         self._all_gather = loader_options.pop("all_gather", None) or all_gather_fn(group)
-=======
         micro = loader_options.pop("micro_batches", None)  # this rank's rows, not a worker's part
->>>>>>> main
         self.loader_options = loader_options
         self._end: int | None = None  # the plan's end in the start's epoch, once known
         self.seed, self.runner = int(seed), runner
