@@ -51,9 +51,9 @@ class Iterator(grain.DatasetIterator):
     (plan fingerprint, step, lane cursors) that every emitter reads and writes; unbatched
     iteration adds `elements_taken`, the offset inside a step.
 
-    Over a finite plan, `iter()` of an iterator that has yielded starts the next epoch — the
-    order `repeat()` gives its next pass — as torch's loaders do; `set_epoch(e)` picks one. (A
-    new iterator, `iter(dataset)`, starts at epoch 0 as Grain's do.)
+    Over a finite plan, `set_epoch(e)` goes to the start of pass `e` — the order `repeat()` gives
+    it — and the state records the epoch. `iter()` of the iterator is the iterator itself, as
+    Grain's are (Grain's own steps call it on every batch), so an epoch loop calls `set_epoch`.
     """
 
     def __init__(self, loader: Loader, *, batched: bool = True) -> None:
@@ -63,18 +63,12 @@ class Iterator(grain.DatasetIterator):
         self._rows: list[Any] = []
         self._taken = 0
         self._before: dict[str, Any] | None = None
-        self._used = False  # has yielded since it was made, restored or moved to an epoch
-
-    def __iter__(self) -> Iterator:
-        if self._used and self.loader.finite:
-            self.set_epoch(self.loader.epoch + 1)
-        return self
 
     def set_epoch(self, epoch: int) -> None:
         """Goes to the start of pass `epoch` over the finite plan."""
         self.loader.set_epoch(epoch)
         self.loader.settle_end()
-        self._rows, self._taken, self._used = [], 0, False
+        self._rows, self._taken = [], 0
 
     @staticmethod
     def emit(batch: LocalBatch, *, batched: bool) -> Any:
@@ -84,7 +78,6 @@ class Iterator(grain.DatasetIterator):
 
     def __next__(self) -> Any:
         self._assert_not_closed()
-        self._used = True
         if self.batched:
             return self.emit(next(self.loader), batched=True)
         while self._taken >= len(self._rows):
@@ -121,7 +114,7 @@ class Iterator(grain.DatasetIterator):
             raise StateError(f"the state's 'elements_taken' is {skip!r}; expected a non-negative "
                              "integer (elements of the step already returned). The state was edited.")
         self.loader.restore(state, allow_batch_change=allow_batch_change)
-        self._rows, self._taken, self._used = [], 0, False
+        self._rows, self._taken = [], 0
         if skip:
             if self.batched:
                 raise StateError("this state stopped inside a step (elements_taken="
