@@ -46,6 +46,8 @@ bench: $(STAMP)
 	cd benchmarks && ../$(VENV)/bin/python pack.py && ../$(VENV)/bin/python pretokens.py && ../$(VENV)/bin/python batch_resume.py
 	cd benchmarks && ../$(VENV)/bin/python finite_end.py
 	cd benchmarks && ../$(VENV)/bin/python startup.py
+	cd benchmarks && ../$(VENV)/bin/python sft.py
+	cd benchmarks && ../$(VENV)/bin/python storage.py
 
 .PHONY: experiment
 # Elastic training: a tiny LM trained at D = 1, 2, 4, 8 ranks with three loaders (~13 min on 2 cores);

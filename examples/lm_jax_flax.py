@@ -62,6 +62,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm_data import add_data_args, eval_pipeline, evaluate, lm_pipeline, write_data
 
+import zephon
 from zephon.backends.jax import JaxLoader
 
 
@@ -184,7 +185,8 @@ def train(args: argparse.Namespace, shape: tuple[int, int], stop: int, *, save_a
                 state=ocp.args.StandardRestore(trainer.abstract),   # resharded onto this mesh
                 loader=ocp.args.JsonRestore()))
             state = restored["state"]
-            loader.restore(restored["loader"])
+            # the loader state may also live beside the checkpoint in a bucket (--loader-state URL)
+            loader.restore(zephon.load_state(args.loader_state) if args.loader_state else restored["loader"])
         else:
             state = trainer.fresh()
         while loader.step < stop:
@@ -195,6 +197,8 @@ def train(args: argparse.Namespace, shape: tuple[int, int], stop: int, *, save_a
             digests[step] = digest(batch)
             sizes[step] = int(batch["tokens"].shape[0])
             if save_at == step + 1:
+                if args.loader_state:
+                    zephon.save_state(args.loader_state, loader.state())
                 ckpt.save(step + 1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                             loader=ocp.args.JsonSave(loader.state())))
     print(f"mesh {shape}: global batch rows per step {sizes}")
@@ -218,6 +222,8 @@ def main() -> None:
     ap.add_argument("--mesh-b", default="4,2", help="run B's (data, fsdp) mesh")
     ap.add_argument("--replicated-grads", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", type=Path, default=None, help="directory for data and the checkpoint")
+    ap.add_argument("--loader-state", default=None, metavar="URL",
+                    help="also save the loader state here (a path, s3:// or gs:// URL) and resume from it")
     args = ap.parse_args()
     args.out = args.out or Path(tempfile.mkdtemp(prefix="zephon-lm-flax-"))
     args.out.mkdir(parents=True, exist_ok=True)

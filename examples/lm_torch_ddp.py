@@ -173,8 +173,11 @@ def ddp_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                 states = [None] * world
                 dist.all_gather_object(states, loader.state_dict())  # each rank's lanes
                 if rank == 0:
+                    data = z.merge_states(states)
+                    if args.loader_state:  # also beside the model checkpoint, e.g. in a bucket
+                        z.save_state(args.loader_state, data)
                     torch.save({"step": step + 1, "model": model.state_dict(), "optim": opt.state_dict(),
-                                "data": z.merge_states(states)}, args.out / "checkpoint.pt")
+                                "data": data}, args.out / "checkpoint.pt")
         held = [None] * world
         dist.all_gather_object(held, held_out_losses(model, args))  # every rank's rows' token losses
         if rank == 0:
@@ -196,7 +199,7 @@ def resume(args: argparse.Namespace, ranks_before: int) -> list[float]:
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["optim"])
     loader = make_loader(args.out, args)  # world size 1: the whole global batch
-    loader.load_state_dict(ckpt["data"])
+    loader.load_state_dict(z.load_state(args.loader_state) if args.loader_state else ckpt["data"])
     losses = []
     for _, batch in zip(range(ckpt["step"], args.steps), loader):
         tokens = batch["loss_mask"].sum()
@@ -231,6 +234,8 @@ def main() -> None:
     ap.add_argument("--same-reduction", action=argparse.BooleanOptionalAction, default=True,
                     help="run B reduces the gradient as run A's 2 ranks did (bit-for-bit losses)")
     ap.add_argument("--out", type=Path, default=None, help="directory for data, checkpoint and logs")
+    ap.add_argument("--loader-state", default=None, metavar="URL",
+                    help="also save the loader state here (a path, s3:// or gs:// URL) and resume from it")
     args = ap.parse_args()
     args.out = args.out or Path(tempfile.mkdtemp(prefix="zephon-lm-ddp-"))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -210,3 +210,32 @@ def test_dataloader_partial_last_batch_and_batch_fn_equal_grain() -> None:
                                         num_epochs=2, seed=7)
         args = {"data_source": src, "sampler": s, "operations": ops, "worker_count": 0}
         _eq(list(grain.DataLoader(**args)), list(zg.DataLoader(**args)))
+
+
+def test_flat_map_map_dataset_random_access_len_and_iteration_equal_grain() -> None:
+    class Fan(grain.experimental.FlatMapTransform):
+        max_fan_out = 3
+
+        def flat_map(self, element):
+            return [element * 10 + k for k in range(element % 3 + 1)]
+
+    g = grain.experimental.FlatMapMapDataset(grain.MapDataset.range(7).shuffle(seed=2), Fan())
+    z = zg.experimental.FlatMapMapDataset(zg.Dataset.range(7).shuffle(seed=2), Fan())
+    assert len(z) == len(g) == 21
+    _eq([g[i] for i in range(25)], [z[i] for i in range(25)])  # Nones in unused slots; next epoch
+    _eq(list(g), list(z))
+    _eq(list(g.to_iter_dataset().batch(4)), list(z.to_iter_dataset().batch(4)))
+
+
+def test_repeat_without_reseed_and_to_iter_dataset_with_nones_equal_grain() -> None:
+    def build(M, _):
+        return M.range(9).shuffle(seed=4).random_map(lambda x, r: x + r.integers(100), seed=1).repeat(
+            3, reseed_each_epoch=False)
+
+    g, z = _both(build)
+    assert len(z) == len(g) == 27
+    _eq([g[i] for i in range(30)], [z[i] for i in range(30)])
+    _eq(list(g), list(z))
+    gn = grain.MapDataset.range(10).filter(lambda x: x % 3 == 0).to_iter_dataset(allow_nones=True)
+    zn = zg.Dataset.range(10).filter(lambda x: x % 3 == 0).to_iter_dataset(allow_nones=True)
+    _eq(list(gn), list(zn))

@@ -43,6 +43,10 @@ def make_source(n: int = N) -> ArraySource:
     })
 
 
+#: the fields of make_source that are one value per record, not per token: packing leaves them out
+PER_RECORD = ("id", "x", "u8", "flag", "half")
+
+
 def plan(seed: int = 3, lanes: int = 8, batch: int = 32):
     return Source(N).shuffle(seed).repeat().lanes(lanes).batch(batch)
 
@@ -230,7 +234,7 @@ def test_distributed_checkpoint_round_trip_in_one_process(tmp_path):
 def test_distributed_checkpoint_of_carries_is_loud_not_silently_wrong(tmp_path):
     """DCP fills only its template's keys: a carry whose structure a fresh loader's template lacks
     must fail the load, never be dropped (every lane of a packing pipeline names held and carry)."""
-    transforms = (Filter(keep), Pack(13))
+    transforms = (Filter(keep), Pack(13, drop=PER_RECORD))
     first = tb.TorchLoader(plan(), make_source(), transforms)
     for _ in range(3):
         next(first)
@@ -323,7 +327,7 @@ KINDS = {
     # a lambda: workers run it (only state_dict() needs a stable name); a finite plan ends when
     # a lane runs out, in one worker's block while the other's lanes still have inputs
     "filter_finite": lambda: (finite_plan(), (Filter(lambda r: int(r["id"]) % 4 != 1),), 0, 1, None),
-    "pack": lambda: (plan(), (Filter(keep), Pack(13)), 0, 1, 6),  # carries cross step boundaries
+    "pack": lambda: (plan(), (Filter(keep), Pack(13, drop=PER_RECORD)), 0, 1, 6),  # carries cross step boundaries
     # rank 1 of 2 owns lanes 1, 3, 5, 7; worker 0 runs 1 and 5, worker 1 runs 3 and 7
     "interleaved_rank": lambda: (interleaved_plan(), (Filter(keep),), 1, 2, 6),
 }
@@ -351,7 +355,7 @@ def test_zephon_dataloader_batches_are_identical_for_0_1_2_workers(kind):
 
 @pytest.mark.filterwarnings(FORK_AFTER_JAX)
 def test_state_dict_taken_with_workers_resumes_a_packing_pipeline(tmp_path):
-    transforms = (Filter(keep), Pack(13))
+    transforms = (Filter(keep), Pack(13, drop=PER_RECORD))
     ref = numpy_ref(plan(), 9, transforms)
     loader = tb.ZephonDataLoader(tb.ZephonIterableDataset(plan(), make_source(), transforms),
                                  num_workers=2, prefetch_factor=4, timeout=TIMEOUT)

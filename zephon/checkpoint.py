@@ -26,6 +26,7 @@ from typing import Any
 from zephon._distribution import version as installed_version
 from zephon.errors import StateError
 from zephon.jsondoc import json_object
+from zephon.storage.url import is_remote, local_path
 
 #: The newest state format this Zephon reads and writes (`"zephon_state"` in every state).
 STATE_VERSION = 2
@@ -104,15 +105,22 @@ def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
     """Writes `state` as JSON atomically (temp file, fsync, rename, fsync of the directory).
 
     The target is never torn: a reader sees the old state or the new one. Temp files of earlier
-    saves to the same target that were interrupted are removed.
+    saves to the same target that were interrupted are removed. An `s3://` or `gs://` URL is
+    written with one PUT, which the store makes visible only once complete (all or nothing).
     """
-    path = os.path.abspath(os.fspath(path))
+    name = local_path(path)
+    path = name if is_remote(name) else os.path.abspath(name)
     try:
         text = json.dumps(state, sort_keys=True)
     except (TypeError, ValueError) as e:
         raise StateError(f"cannot save the state to {path}: it is not JSON ({e}). Save the dict "
                          "that Loader.state() returned, unchanged; add your own values to "
                          "another file.") from e
+    if is_remote(path):
+        from zephon.storage import put_atomic
+
+        put_atomic(path, text.encode())
+        return
     d = os.path.dirname(path)
     if not os.path.isdir(d):
         raise StateError(f"cannot save the state to {path}: the directory {d} does not exist; "
@@ -182,12 +190,20 @@ def check_state_version(state: Mapping[str, Any], where: str = "the state") -> N
                          f"Upgrade Zephon{to} (pip install -U zephon-loader) to resume from it.")
 
 
+def _read(name: str) -> bytes:
+    if is_remote(name):
+        from zephon.storage import read_object
+
+        return read_object(name)  # a missing object raises ObjectMissingError, a FileNotFoundError
+    with open(name, "rb") as f:
+        return f.read()
+
+
 def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Reads a state written by `save_state` (JSON only; nothing is unpickled)."""
-    name = os.fspath(path)
+    name = local_path(path)
     try:
-        with open(name, "rb") as f:
-            data = f.read()
+        data = _read(name)
     except FileNotFoundError:
         raise StateError(f"no loader state at {name}; check the checkpoint directory") from None
     except IsADirectoryError:

@@ -38,6 +38,11 @@ class Mix(Node, kind="Mix"):
     mixture. `by="tokens"` makes the lane engine balance realised token counts instead of record
     counts (the length of column `count_field` after each child's pipeline); such a mix has no
     random access by position (its schedule depends on the data) and must sit under `lanes()`.
+    `by="trained_tokens"` balances only the tokens the loss sees: those whose per-token mask
+    (column `mask_field`, e.g. what `zephon.ops.chat.Chat` writes) is non-zero, after a
+    document's first token (the tokens that are some position's target once packed) — so a
+    1:1 mix of chat sets with short and long answers is 1:1 in trained tokens, with the same
+    guarantee as by tokens: every lane within one document of its weights.
 
     `schedule` (by tokens only) is a curriculum that is part of the plan: `((step, weights),
     ...)` with increasing steps; `weights` apply from step 0, each entry's from its step on.
@@ -53,16 +58,17 @@ class Mix(Node, kind="Mix"):
 
     children: tuple[Node, ...]
     weights: tuple[float, ...]
-    by: Literal["samples", "tokens"] = "samples"
+    by: Literal["samples", "tokens", "trained_tokens"] = "samples"
     count_field: str = "tokens"
     schedule: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    mask_field: str = "loss_mask"
     stop: Literal["first", "all"] = "first"
 
     if TYPE_CHECKING:  # the generated __init__ takes any sequences (__post_init__ makes them tuples)
         def __init__(self, children: Sequence[Node], weights: Sequence[float],
-                     by: Literal["samples", "tokens"] = "samples", count_field: str = "tokens",
-                     schedule: Sequence[tuple[int, Sequence[float]]] = (),
-                     stop: Literal["first", "all"] = "first") -> None: ...
+                     by: Literal["samples", "tokens", "trained_tokens"] = "samples",
+                     count_field: str = "tokens", schedule: Sequence[tuple[int, Sequence[float]]] = (),
+                     mask_field: str = "loss_mask", stop: Literal["first", "all"] = "first") -> None: ...
 
     def __post_init__(self) -> None:
         if not isinstance(self.children, tuple):
@@ -91,9 +97,11 @@ class Mix(Node, kind="Mix"):
         if self.stop not in ("first", "all"):
             raise PlanError(f"Mix.stop must be 'first' (end with the first exhausted child) or 'all' "
                             f"(read every child whole), got {self.stop!r}")
-        if self.by not in ("samples", "tokens"):
-            raise PlanError(f"Mix.by must be 'samples' or 'tokens', got {self.by!r}")
-        if self.schedule and self.by != "tokens":
+        if self.by not in ("samples", "tokens", "trained_tokens"):
+            raise PlanError(f"Mix.by must be 'samples', 'tokens' or 'trained_tokens', got {self.by!r}")
+        if not isinstance(self.mask_field, str) or not self.mask_field:
+            raise PlanError(f"Mix.mask_field must be a column name, got {self.mask_field!r}")
+        if self.schedule and not self.by_tokens:
             raise PlanError("a Mix weight schedule needs Mix(..., by='tokens'): a mix by samples "
                             "routes each position with one set of weights (its random access), "
                             "while a mix by tokens is followed step by step in every lane, where "
@@ -107,7 +115,14 @@ class Mix(Node, kind="Mix"):
             del out["schedule"]
         else:
             out["schedule"] = [[step, list(w)] for step, w in self.schedule]
+        if self.by != "trained_tokens":  # (as mask_field: only a mix by trained tokens reads it)
+            del out["mask_field"]
         return out
+
+    @property
+    def by_tokens(self) -> bool:
+        """Whether the lane engine schedules this mix by counts of tokens (all or trained)."""
+        return self.by in ("tokens", "trained_tokens")
 
     def weights_from(self) -> list[tuple[int, np.ndarray]]:
         """(first step, normalised weights) of every stretch of the schedule, from step 0."""
@@ -187,11 +202,11 @@ class Mix(Node, kind="Mix"):
     @property
     def sequential(self) -> bool:
         """Whether the lane engine follows this mix (by tokens, or read whole): no random access."""
-        return self.by == "tokens" or self.stop == "all"
+        return self.by_tokens or self.stop == "all"
 
     @property
     def length(self) -> int | None:
-        if self.by == "tokens":
+        if self.by_tokens:
             return None
         if self.stop == "all":
             sizes = [c.length for c, w in zip(self.children, self.normalized) if w > 0]
@@ -203,7 +218,7 @@ class Mix(Node, kind="Mix"):
             raise PlanError("a Mix with stop='all' is followed inside every lane (which child comes "
                             "next depends on which ran out); put it directly under .lanes(L) and "
                             "read it with a Loader.")
-        if self.by == "tokens":
+        if self.by_tokens:
             raise PlanError("a Mix by tokens has no order by position (its schedule depends on "
                             "token counts); put it directly under .lanes(L) and read it with a Loader.")
         which, inner = self.route(pos)

@@ -150,14 +150,14 @@ class Node:
 
     @staticmethod
     def mix(children: Sequence[Node], weights: Sequence[float] | None = None,
-            by: Literal["samples", "tokens"] = "samples", count_field: str = "tokens",
-            schedule: Sequence[tuple[int, Sequence[float]]] = (),
+            by: Literal["samples", "tokens", "trained_tokens"] = "samples", count_field: str = "tokens",
+            schedule: Sequence[tuple[int, Sequence[float]]] = (), mask_field: str = "loss_mask",
             stop: Literal["first", "all"] = "first") -> Mix:
         from zephon.mixing import Mix  # imported here: mixing builds on this module
 
         children = tuple(children)
         return Mix(children, weights if weights is not None else (1.0,) * len(children), by, count_field,
-                   schedule, stop)
+                   schedule, mask_field, stop)
 
     # --- serialisation -----------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:

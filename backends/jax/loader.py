@@ -14,6 +14,7 @@ import copy
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -31,7 +32,7 @@ from zephon.backends.jax.placement import (
 )
 from zephon.backends.jax.prefetch import _End, _Failure, _Prefetcher
 from zephon.errors import PlanError
-from zephon.exec.loader import Loader
+from zephon.exec.loader import Loader, LocalBatch
 from zephon.exec.resize import check_micro_schedule
 from zephon.ops.base import Operator
 from zephon.plan import Batch
@@ -105,7 +106,8 @@ class JaxLoader:
         self._prefetcher: _Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
         self._ended: _End | _Failure | None = None
-        self._ahead: collections.deque[tuple[JaxBatch, dict[str, Any]]] = collections.deque()
+        self._ahead: collections.deque[tuple[JaxBatch, dict[str, Any], LocalBatch]] = collections.deque()
+        self._provenance: LocalBatch | None = None
         self._last: _End | _Failure | None = None  # what the producer ended with, after _ahead
 
     @property
@@ -146,11 +148,13 @@ class JaxLoader:
             raise StopIteration
         if self.prefetch == 0:
             try:
-                arrays = self.emit(next(self._loader))
+                batch = next(self._loader)
             except StopIteration:
                 self._ended = _End()
                 raise
+            arrays = self.emit(batch)
             self._state = self._loader.position()
+            self._provenance = replace(batch, data={})
             return arrays
         if self._prefetcher is None:
             self._prefetcher = _Prefetcher(self._loader, self.emit, self.prefetch)
@@ -161,12 +165,25 @@ class JaxLoader:
             if isinstance(item, (_End, _Failure)):
                 self._last = item
             else:
-                self._ahead.append((self.emit.device(item[0]), item[1]))
+                self._ahead.append((self.emit.device(item[0]), item[1], item[2]))
         if not self._ahead:
             self._ended = self._last
             return self.__next__()
-        arrays, self._state = self._ahead.popleft()
+        arrays, self._state, self._provenance = self._ahead.popleft()
         return arrays
+
+    @property
+    def provenance(self) -> LocalBatch | None:
+        """The last batch the caller received, without its data: `refs`, packed `segments`,
+        `lanes`, `explain()` (None before the first batch)."""
+        return self._provenance
+
+    def explain(self) -> list[dict[str, Any]]:
+        """Per row of this process's part of the last batch received: its global row, lane and
+        the records (packed: document pieces) it holds — `LocalBatch.explain()`."""
+        if self._provenance is None:
+            raise PlanError("explain() describes the last batch received; take one first.")
+        return self._provenance.explain()
 
     def _halt(self) -> None:
         """Stops the prefetch thread; what it built ahead is dropped (the state is the consumed one)."""

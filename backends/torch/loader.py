@@ -6,6 +6,7 @@ Parallelism comes from a Zephon runner; optional `DTensor` output over a device 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from zephon.backends.torch.batch import Emitter
 from zephon.backends.torch.placement import MeshDims, all_gather_fn, data_parallel, mesh_data_parallel, to_dtensors
 from zephon.backends.torch.state import state_document
 from zephon.errors import PlanError
-from zephon.exec.loader import Loader
+from zephon.exec.loader import Loader, LocalBatch
 from zephon.ops.base import Operator
 from zephon.plan import Batch
 from zephon.runners.base import Runner
@@ -61,6 +62,7 @@ class TorchLoader:
         self._fresh = True  # the next iter() continues here instead of starting the next epoch
         self.emitter = Emitter.make(dtypes, pin_memory, device)
         self._mesh, self._mesh_dims = mesh, mesh_dims
+        self._provenance: LocalBatch | None = None
 
     @property
     def rank(self) -> int:
@@ -97,8 +99,23 @@ class TorchLoader:
 
     def __next__(self) -> dict[str, Any]:
         self._fresh = False
-        out = self.emitter(next(self.loader))
+        batch = next(self.loader)
+        out = self.emitter(batch)
+        self._provenance = replace(batch, data={})
         return out if self._mesh is None else to_dtensors(out, self._mesh, self._mesh_dims)
+
+    @property
+    def provenance(self) -> LocalBatch | None:
+        """The last batch yielded, without its data: `refs`, packed `segments`, `lanes`,
+        `explain()` (None before the first batch)."""
+        return self._provenance
+
+    def explain(self) -> list[dict[str, Any]]:
+        """Per row of this rank's part of the last batch: its global row, lane and the records
+        (packed: document pieces) it holds — `LocalBatch.explain()`."""
+        if self._provenance is None:
+            raise PlanError("explain() describes the last batch yielded; take one first.")
+        return self._provenance.explain()
 
     def state_dict(self) -> dict[str, Any]:
         """The Zephon state after the last batch this loader yielded (see the module doc)."""

@@ -31,7 +31,7 @@ from .iterator import CollatingLoader, Iterator
 from .packing import pack_step
 from .pipeline import TailMixin
 from .records import elements
-from .tail import TAIL_ONLY
+from .tail import TAIL_ITER, TAIL_ONLY
 
 _ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset", "batch", "seed",
              "pack", *TAIL_ONLY)
@@ -76,15 +76,16 @@ class Dataset(TailMixin):
 
         `by="tokens"` (Zephon): the weights apply to realised tokens, inside every lane — each
         lane takes its next document from the dataset furthest below its share of the tokens
-        so far (`zephon.Mix(..., by="tokens")`). Each dataset tokenizes before the mix (e.g.
+        so far (`zephon.Mix(..., by="tokens")`); `by="trained_tokens"` counts only the tokens
+        whose `loss_mask` is non-zero (`zephon.ops.chat.Chat` writes it). Each dataset tokenizes before the mix (e.g.
         `.map(Tokenize(...))`); what is counted is the length of column `count_field` (default:
         the feature a later packing step packs, else `tokens`). Such a mix is the last ordering
         step (shuffle/repeat each dataset before it) and has no random access. `schedule`
         (by tokens only): `((step, weights), ...)`, a curriculum (`zephon.Mix(schedule=...)`).
         """
-        if by not in ("samples", "tokens"):
-            raise PlanError(f"mix(by=...) must be 'samples' or 'tokens', got {by!r}")
-        if schedule and by != "tokens":
+        if by not in ("samples", "tokens", "trained_tokens"):
+            raise PlanError(f"mix(by=...) must be 'samples', 'tokens' or 'trained_tokens', got {by!r}")
+        if schedule and by == "samples":
             raise PlanError("mix(schedule=...) needs by='tokens': a mix by samples has one set of "
                             "weights (Grain's proportional interleave).")
         if isinstance(datasets, Mapping) or (by == "samples" and not schedule and any(
@@ -114,7 +115,7 @@ class Dataset(TailMixin):
                             "packing step; move it before them (as in Grain).")
 
     def _in_iter(self) -> bool:
-        return any(o.kind in ("to_iter_dataset", "pack", *TAIL_ONLY) for o in self._op.upstream())
+        return any(o.kind in ("to_iter_dataset", "pack", *TAIL_ITER) for o in self._op.upstream())
 
     @property
     def packed(self) -> bool:
@@ -123,7 +124,8 @@ class Dataset(TailMixin):
 
     @property
     def _token_mixed(self) -> bool:
-        return any(o.kind == "mix" and o.args.get("by") == "tokens" for o in self._op.upstream())
+        return any(o.kind == "mix" and o.args.get("by") in ("tokens", "trained_tokens")
+                   for o in self._op.upstream())
 
     def _seed_for(self, kind: str, seed: int | None) -> int | None:
         if seed is not None:
@@ -144,9 +146,8 @@ class Dataset(TailMixin):
         return self._then("shuffle", seed=s)
 
     def repeat(self, num_epochs: int | None = None, *, reseed_each_epoch: bool = True) -> Dataset:
-        if not reseed_each_epoch:
-            raise PlanError("repeat(reseed_each_epoch=False) is not supported: Zephon re-keys every "
-                            "epoch; repeat with a new shuffle per epoch (the default).")
+        if not reseed_each_epoch:  # Grain's: every epoch reads epoch 0's elements (`tail`)
+            return self._then("repeat_same", num_epochs=num_epochs)
         return self._then("repeat", num_epochs=num_epochs)
 
     def slice(self, sl: slice) -> Dataset:
@@ -227,9 +228,8 @@ class Dataset(TailMixin):
     def to_iter_dataset(self, read_options: Any = None, *, allow_nones: bool = False) -> Dataset:
         """Grain's switch to `IterDataset`; kept so pipelines read the same (Zephon needs no
         read threads here: runners parallelise whole steps)."""
-        if allow_nones:
-            raise PlanError("to_iter_dataset(allow_nones=True) is not supported; Zephon never "
-                            "emits filtered-out elements.")
+        if allow_nones:  # Grain's: the MapDataset's Nones are kept (read by index, `tail`)
+            return self._then("iter_nones")
         return self._then("to_iter_dataset")._read_options(read_options)
 
     def apply(self, transformations: Any) -> Dataset:

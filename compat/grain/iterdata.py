@@ -74,9 +74,10 @@ def FlatMapIterDataset(parent: Any, transform: Any) -> Dataset:
 
 
 def FlatMapMapDataset(parent: Any, transform: Any) -> Dataset:
-    """Grain's `FlatMapMapDataset` iterates as the flat map of its parent (Grain's own random
-    access would return None for the unused slots of `max_fan_out`; iterate it instead)."""
-    return FlatMapIterDataset(parent, transform)
+    """Grain's `FlatMapMapDataset`: `max_fan_out` slots per element, random access (None in the
+    unused slots), `len` = max_fan_out * len(parent); iteration skips the Nones."""
+    ds = _as_dataset(parent, "FlatMapMapDataset")
+    return ds._then("flat_map_map", transform=transform)
 
 
 def InterleaveIterDataset(datasets: Sequence[Any], *, cycle_length: int, **_: Any) -> Dataset:

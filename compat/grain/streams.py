@@ -145,11 +145,13 @@ class PrefetchStep(Step):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _run(self, q: queue.Queue[Any], stop: threading.Event) -> None:
+    @staticmethod
+    def _run(parent: Any, q: queue.Queue[Any], stop: threading.Event) -> None:
+        # no reference to the step: an abandoned step is collected and `__del__` stops this
         try:
             while not stop.is_set():
-                e = next(self.parent)
-                item = (e, copy.deepcopy(self.parent.get_state()))
+                e = next(parent)
+                item = (e, copy.deepcopy(parent.get_state()))
                 while not stop.is_set():
                     try:
                         q.put(item, timeout=0.1)
@@ -166,7 +168,8 @@ class PrefetchStep(Step):
             return e
         if self._q is None:
             self._q, self._stop = queue.Queue(self.size), threading.Event()
-            self._thread = threading.Thread(target=self._run, args=(self._q, self._stop), daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(self.parent, self._q, self._stop),
+                                            daemon=True)
             self._thread.start()
         e, state = self._q.get()
         if e is _END:
@@ -192,6 +195,9 @@ class PrefetchStep(Step):
     def close(self) -> None:
         self._halt()
         super().close()
+
+    def __del__(self) -> None:
+        self._stop.set()
 
 
 class MixStep(grain.DatasetIterator):

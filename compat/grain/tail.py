@@ -41,10 +41,15 @@ from .transforms import grain_map_rng
 
 TAIL_LEAVES = ("iter_mix", "interleave", "external")
 """Grain iterator datasets that start a pipeline (their inputs are whole datasets, in args)."""
-TAIL_ONLY = ("prefetch", "flat_map", "window_shuffle", *TAIL_LEAVES)
-"""Steps that only exist as Grain iterators: a pipeline containing one is run by the tail."""
+TAIL_ONLY = ("prefetch", "flat_map", "window_shuffle", "flat_map_map", "repeat_same", "iter_nones",
+             *TAIL_LEAVES)
+"""Steps the plan does not run: a pipeline containing one is run by the tail."""
+TAIL_ITER = tuple(k for k in TAIL_ONLY if k not in ("flat_map_map", "repeat_same"))
+"""The tail steps that make the pipeline an IterDataset."""
 
-MAP_STEPS = ("map", "filter", "random_map", "map_with_index", "slice", "batch")
+MAP_STEPS = ("map", "filter", "random_map", "map_with_index", "slice", "batch", "flat_map_map",
+             "repeat_same")
+_BY_INDEX = ("slice", "repeat_same")  # MapDataset steps whose iteration needs Grain's indices
 
 
 def chain(op: _Op) -> list[_Op]:
@@ -145,6 +150,12 @@ class Tail:
             elif o.kind == "batch":
                 bs = o.args["batch_size"]
                 n = n // bs if o.args["drop_remainder"] else math.ceil(n / bs)
+            elif o.kind == "repeat_same":
+                epochs = o.args["num_epochs"]
+                n = GRAIN_INFINITE if epochs is None or n * epochs >= GRAIN_INFINITE else n * epochs
+            elif o.kind == "flat_map_map":
+                fan = o.args["transform"].max_fan_out
+                n = GRAIN_INFINITE if n >= GRAIN_INFINITE / fan else fan * n
         return n
 
     def item(self, index: int, upto: int | None = None) -> Any:
@@ -163,6 +174,13 @@ class Tail:
             start, stop = i * bs, min(parent_n, (i + 1) * bs)
             values = [self.item(j + epoch * parent_n, k - 1) for j in builtins.range(start, stop)]
             return (a.get("batch_fn") or make_batch)(values)
+        if o.kind == "repeat_same":
+            return self.item(index % self.length(k - 1), k - 1)
+        if o.kind == "flat_map_map":
+            element, slot = divmod(index, a["transform"].max_fan_out)
+            parent = self.item(element, k - 1)
+            splits = None if parent is None else _splits(a["transform"], parent)
+            return splits[slot] if splits is not None and slot < len(splits) else None
         e = self.item(index, k - 1)
         if e is None:
             return None
@@ -180,9 +198,11 @@ class Tail:
     # --- IterDataset semantics --------------------------------------------------------------
     def iterator(self) -> Any:
         ops = list(self.ops)
-        if any(o.kind == "slice" for o in ops[:self.map_prefix]):
-            # slicing needs Grain's indices: the MapDataset part is read element by element
-            it, ops = IndexIterator(self, self.map_prefix), ops[self.map_prefix:]
+        nones = self.map_prefix < len(ops) and ops[self.map_prefix].kind == "iter_nones"
+        if nones or any(o.kind in _BY_INDEX for o in ops[:self.map_prefix]):
+            # Grain's indices (slices, repeats of epoch 0, kept Nones): read element by element
+            it = IndexIterator(self, self.map_prefix, keep_nones=nones)
+            ops = ops[self.map_prefix + nones:]
         else:
             it = self._head_iter()
         for o in ops:
@@ -194,6 +214,9 @@ class Tail:
         if k in ("map", "filter", "flat_map"):
             f = fn_of(k, a["transform"])
             return {"map": MapStep, "filter": FilterStep, "flat_map": FlatMapStep}[k](it, f)
+        if k == "flat_map_map":  # iterating Grain's MapDataset skips the unused slots' Nones
+            t = a["transform"]
+            return FlatMapStep(it, lambda e: _splits(t, e))
         if k == "batch":
             return BatchStep(it, a["batch_size"], a["drop_remainder"], a.get("batch_fn"))
         if k == "prefetch":
@@ -214,19 +237,28 @@ class Tail:
                         "before batch().")
 
 
+def _splits(transform: Any, element: Any) -> list[Any]:
+    splits = list(transform.flat_map(element))
+    if len(splits) > transform.max_fan_out:
+        raise ValueError(f"the FlatMapTransform made {len(splits)} elements, more than its "
+                         f"max_fan_out={transform.max_fan_out}; raise max_fan_out (as in Grain).")
+    return splits
+
+
 class IndexIterator(grain.DatasetIterator):
     """Iterates a random-access tail by index as Grain's MapDataset does (Nones skipped);
     its state is the next index."""
 
-    def __init__(self, tail: Tail, upto: int) -> None:
+    def __init__(self, tail: Tail, upto: int, *, keep_nones: bool = False) -> None:
         super().__init__()
         self.tail, self.upto, self.index, self.n = tail, upto, 0, tail.length(upto)
+        self.keep_nones = keep_nones
 
     def __next__(self) -> Any:
         while self.index < self.n:
             e = self.tail.item(self.index, self.upto)
             self.index += 1
-            if e is not None:
+            if e is not None or self.keep_nones:
                 return e
         raise StopIteration
 

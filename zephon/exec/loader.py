@@ -5,9 +5,8 @@ keep one output per input take the random-access path (`zephon.exec.steps`): lan
 `step × B/L`, any step is computed directly and a restore is O(1). Every other pipeline — filters,
 flat maps, tokenize-and-split, packing, a mix by tokens — runs on the lane engine
 (`zephon.exec.lanes`): windows of lane inputs in parallel on the runner, lanes assembled in order,
-per-lane positions and carries in the state. Both paths write the same state format.
-
-What it yields, `LocalBatch` (with `micro_batches(n)`), is defined in `zephon.exec.batch`.
+per-lane positions and carries in the state. Both paths write the same state format. What it
+yields, `LocalBatch` (with `micro_batches(n)`), is defined in `zephon.exec.batch`.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from zephon.accounting import domain_fields
 from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.batch import LocalBatch, check_micro_count
@@ -57,25 +57,22 @@ class Loader(FiniteEnd):
         split a rank's lanes; `position()`/`state()` then cover just them (merge them).
       micro_batches: the micro-batch count the training loop will cut every batch into; checked
         here, against every batch size of the plan's schedule, instead of at the step it fails.
-      all_gather: for a finite plan whose pipeline changes the number of records, how ranks
-        agree on its end (`zephon.exec.end`): a function `[ints] -> every rank's [ints]` through
-        the distributed runtime in use (the torch and JAX emitters pass theirs). Without one a
-        rank of world > 1 counts every lane itself (same answer, more work).
-      epoch: the pass over a finite plan (the order `repeat()` gives its pass `epoch`);
-        `set_epoch(e)` moves to another, and the state records it.
-      end: the plan's end step when the caller already knows it (e.g. a DataLoader's main
-        process counted it for its workers): no counting.
+      domains: add per-domain accounting fields to every batch (`source_id`, and for packed
+        rows `tokens_by_source`, `trained_by_source`; see `zephon.accounting`).
+      all_gather: `[ints] -> every rank's [ints]` through the runtime in use: how ranks agree on
+        a finite count-changing plan's end (`zephon.exec.end`; without one, each counts all lanes).
+      epoch: the pass over a finite plan (`repeat()`'s order); `set_epoch(e)`; in the state.
+      end: the plan's end step if known already (a DataLoader's workers are told it): no counting.
 
-    A finite plan ends at the same step on every rank (see `Batch.remainder`): `len(loader)` is
-    the number of steps left.
+    A finite plan ends at the same step on every rank (`Batch.remainder`); `len()`: steps left.
     """
 
     def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
                  transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
                  seed: int = 0, rank: int = 0, world: int = 1, runner: Runner | None = None, start_step: int = 0,
                  read_ahead: int | None = None, lanes: Sequence[int] | None = None,
-                 micro_batches: int | None = None, all_gather: AllGather | None = None, epoch: int = 0,
-                 end: int | None = None) -> None:
+                 micro_batches: int | None = None, domains: bool = False, all_gather: AllGather | None = None,
+                 epoch: int = 0, end: int | None = None) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         self.plan = plan
@@ -89,8 +86,9 @@ class Loader(FiniteEnd):
                                 f"has {len(self.sources[s.id])}; build the plan from len(source).")
         if isinstance(plan.lanes.child, Mix) is False and any(
                 isinstance(n, Mix) and n.sequential for n in plan_nodes(plan)):
-            raise PlanError("a Mix by tokens (or with stop='all') must be the direct child of "
-                            ".lanes(L): its schedule runs inside every lane.")
+            raise PlanError("a Mix by tokens (or stop='all') must be the direct child of .lanes(L).")
+        self.domains = bool(domains)
+        self._n_sources = max((s.id for s in leaf_sources(plan)), default=0) + 1
         self.pipeline = LanePipeline.split(transforms, per_source)
         self.transforms = self.pipeline.ops
         for what, v in (("seed", seed), ("rank", rank), ("world", world), ("epoch", epoch)):
@@ -166,6 +164,8 @@ class Loader(FiniteEnd):
                              self.plan.lane_offset(step) + self._shift + np.tile(np.arange(per), len(self.owned)),
                              np.full(len(self.owned) * per, -1, np.int64))
             cols, _ = run_transforms(self.pipeline.post, cols, post_refs, self.seed ^ 0x5EED)
+        if self.domains:
+            cols = {**cols, **domain_fields(cols, refs, segments, self._n_sources)}
         if self.plan.pad:
             if valid is None:
                 valid = refs.source >= 0 if refs is not None else np.ones(len(self.owned) * per, bool)

@@ -35,6 +35,7 @@ class TokenSchedule:
     starts: tuple[int, ...]  # the step each set of weights applies from: 0, then the schedule's
     inv_weights: tuple[np.ndarray, ...]  # 1 / normalised weight (inf for 0: never chosen), per set
     count_field: str | None  # None: a mix by samples (each record counts one)
+    mask_field: str | None = None  # a mix by trained tokens: count the mask's non-zero tokens
     read_all: bool = False  # Mix(stop="all"): an exhausted branch drops out, the others go on
 
     @staticmethod
@@ -42,15 +43,25 @@ class TokenSchedule:
         stretches = mix.weights_from()
         inv = tuple(np.where(w > 0, 1.0 / np.where(w > 0, w, 1.0), np.inf) for _, w in stretches)
         return TokenSchedule(tuple(s for s, _ in stretches), inv,
-                             mix.count_field if mix.by == "tokens" else None, mix.stop == "all")
+                             mix.count_field if mix.by_tokens else None,
+                             mix.mask_field if mix.by == "trained_tokens" else None, mix.stop == "all")
 
     def restarts(self, step: int) -> bool:
         """Whether the weights change at `step` (the lanes' counters start from zero there)."""
         return step in self.starts[1:]
 
     def count(self, cols: Columns, r: int) -> int:
-        """What the mix counts for row r: the length of its `count_field` column (by samples: 1)."""
-        if self.count_field is None:
+        """What the mix counts for row r: the length of its `count_field` column, or (by trained
+        tokens) the non-zero entries of its mask after the first token: what the loss will see."""
+        if self.mask_field is not None:
+            m = cols.get(self.mask_field)
+            if m is None:
+                raise PlanError(f"a Mix by trained tokens counts the non-zero tokens of column "
+                                f"{self.mask_field!r}, which the pipeline's rows do not have (fields: "
+                                f"{sorted(cols)}); put a Chat (or a per-token mask) before the mix "
+                                "or set Mix(mask_field=...).")
+            return int(np.count_nonzero(np.asarray(m[r])[1:]))
+        if self.count_field is None:  # a mix by samples read whole: every record counts one
             return 1
         v = cols.get(self.count_field)
         if v is None:

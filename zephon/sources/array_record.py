@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceError
+from ..storage import Blob
+from .array_record_remote import pin, ranged_reader
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
@@ -40,14 +42,19 @@ def _module() -> Any:
     return array_record_module
 
 
-def _open_reader(path: str, options: str) -> Any:
+def _open_reader(path: str, options: str, blob: Blob | None = None) -> Any:
     """Opens a reader, turning the reader's silent failure mode into an error.
+
+    An object in a bucket (`blob`) is read by byte ranges through `zephon.storage` instead
+    (array_record_remote.py): ArrayRecord's reader reads no s3:// and may hang on gs://.
 
     ArrayRecordReader never raises on open: on a missing, truncated or corrupt file it returns
     a reader with `ok() == False` and `num_records() == 0`, and some such readers then return
     empty records instead of raising. The sequential `read()` is the one call that reports the
     reader's status message, so it supplies the reason.
     """
+    if blob is not None:
+        return ranged_reader(blob)
     reader = _module().ArrayRecordReader(path, options,
                                          file_reader_buffer_size=_FILE_READER_BUFFER_SIZE)
     if reader.ok():
@@ -64,8 +71,8 @@ def _open_reader(path: str, options: str) -> Any:
                       "original) before reading.")
 
 
-def _count_records(path: str, options: str) -> int:
-    reader = _open_reader(path, options)
+def _count_records(path: str, options: str, blob: Blob | None = None) -> int:
+    reader = _open_reader(path, options, blob)
     try:
         return int(reader.num_records())
     finally:
@@ -102,8 +109,11 @@ class ArrayRecordSource(FileHandles):
         self.spec: RecordSpec = spec if spec is not None else RawBytes()
         self.reader_options = reader_options
         # The only per-file work before the first read: each file's footer, for its count, on a
-        # few threads; readers for reading open lazily, for the shards a read touches.
-        counts = np.array(map_files(lambda p: _count_records(p, reader_options), self.paths),
+        # few threads; readers for reading open lazily, for the shards a read touches. Objects
+        # are pinned here: every process this source is shipped to reads this version.
+        self._blobs = map_files(pin, self.paths)
+        blobs = dict(zip(self.paths, self._blobs))
+        counts = np.array(map_files(lambda p: _count_records(p, reader_options, blobs[p]), self.paths),
                           dtype=np.int64)
         self._ends = np.cumsum(counts)
         self._starts = self._ends - counts
@@ -133,7 +143,8 @@ class ArrayRecordSource(FileHandles):
                     err = changed(self.paths[shard], self._stamps[shard], "ArrayRecordSource")
                     if err is not None:
                         raise err
-                    reader = _open_reader(self.paths[shard], self.reader_options)
+                    reader = _open_reader(self.paths[shard], self.reader_options,
+                                          self._blobs[shard])
                     _warn_group_size(self.paths[shard], reader)
                     self._readers[shard] = reader
         return reader

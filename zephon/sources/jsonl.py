@@ -23,9 +23,13 @@ import numpy as np
 
 from ..columns import flatten, objects, stack
 from ..errors import DecodeError, SourceError
+from ..storage import is_remote, open_blob
+from .array_record_remote import pin
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
+from .jsonl_remote import head as remote_head
+from .jsonl_remote import remote_line_spans
 from .jsonl_schema import KINDS, checker, hint, kind_of, merge, short, validate_schema
 from .parallel import map_files
 from .paths import Paths, expand_paths
@@ -61,8 +65,11 @@ def _line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
 def _foreign(path: str) -> str:
     """' It looks like <format>, not JSON Lines.' for a binary file, else ''."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
+        if is_remote(path):
+            head = remote_head(open_blob(path))
+        else:
+            with open(path, "rb") as f:
+                head = f.read(4096)
     except OSError:
         return ""
     if head.startswith(b"\x80"):
@@ -104,8 +111,15 @@ class JsonlSource(FileHandles):
                  infer_records: int = INFER_RECORDS) -> None:
         self.paths = expand_paths(paths, "JsonlSource")
         self._stamps: list[FileStamp] = [stamp(p, "JsonlSource") for p in self.paths]
+        self._blobs = map_files(pin, self.paths)  # objects: version pinned for every process
         self.ragged = frozenset(ragged)
-        spans = map_files(_line_spans, self.paths)  # every file's line index, on a few threads
+        blobs = dict(zip(self.paths, self._blobs))
+
+        def line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
+            blob = blobs[path]
+            return _line_spans(path) if blob is None else remote_line_spans(blob)
+
+        spans = map_files(line_spans, self.paths)  # every file's line index, on a few threads
         self._file_ends = np.cumsum([len(s) for s, _ in spans])
         self._starts = np.concatenate([s for s, _ in spans])
         self._ends = np.concatenate([e for _, e in spans])
@@ -156,9 +170,10 @@ class JsonlSource(FileHandles):
         if first_file < len(self.paths):
             window = min(window, int(self._file_ends[first_file]) - begin)
         self._infer_end = begin + window
-        for record in range(begin, begin + window):
+        lines = self._fetch_lines(np.arange(begin, begin + window), [first_file] * max(window, 0))
+        for record, line in zip(range(begin, begin + window), lines):
             try:
-                row = self._parse(record)
+                row = self._parse(record, line=line)
             except DecodeError as e:
                 problem = problem or str(e)
                 continue
@@ -278,6 +293,10 @@ class JsonlSource(FileHandles):
     def _line_number(self, record: int) -> int:
         """1-based line number in its file (error path only: it rescans the file's prefix)."""
         remaining, count = int(self._starts[record]), 1
+        blob = self._blobs[self._file_of(record)]
+        if blob is not None:  # an object: its non-empty lines are what the index counts
+            first = int(self._file_ends[self._file_of(record) - 1]) if self._file_of(record) else 0
+            return record - first + 1
         with open(self.paths[self._file_of(record)], "rb") as f:
             while remaining > 0:
                 chunk = f.read(min(remaining, _SCAN_CHUNK))
@@ -291,10 +310,14 @@ class JsonlSource(FileHandles):
         path = self.paths[self._file_of(record)]
         return f"{path}: line {self._line_number(record)} (record {record})"
 
-    def _parse(self, record: int, file: int | None = None) -> dict[str, Any]:
+    def _parse(self, record: int, file: int | None = None,
+               line: bytes | None = None) -> dict[str, Any]:
         file = self._file_of(record) if file is None else file
         start, end = int(self._starts[record]), int(self._ends[record])
-        line = os.pread(self._fd(file), end - start, start)
+        if line is None:
+            blob = self._blobs[file]
+            line = (os.pread(self._fd(file), end - start, start) if blob is None
+                    else blob.read(start, end - start))
         if len(line) != end - start:
             err = changed(self.paths[file], self._stamps[file], "JsonlSource")
             raise SourceError(f"{self._where(record)}: file is shorter than when it was "
@@ -320,8 +343,9 @@ class JsonlSource(FileHandles):
         idx = as_indices(indices, len(self), self._what)
         files = np.searchsorted(self._file_ends, idx, side="right").tolist()
         try:
-            rows = [self._check(record, self._parse(record, file))
-                    for record, file in zip(idx.tolist(), files)]
+            lines = self._fetch_lines(idx, files)
+            rows = [self._check(record, self._parse(record, file, line))
+                    for record, file, line in zip(idx.tolist(), files, lines)]
         except DecodeError as e:  # a bad line, or a file rewritten under us?
             for f in sorted(set(files)):
                 err = changed(self.paths[f], self._stamps[f], "JsonlSource")
@@ -332,6 +356,21 @@ class JsonlSource(FileHandles):
         check_unchanged(self.paths, self._stamps, sorted(set(files)), "JsonlSource")
         return {name: self._column(name, kind, [row[name] for row in rows], idx)
                 for name, kind in self.schema.items()}
+
+    def _fetch_lines(self, idx: np.ndarray, files: list[int]) -> list[bytes | None]:
+        """The lines of objects, fetched together (concurrently, nearby lines merged); None for
+        lines of local files, which `_parse` preads."""
+        lines: list[bytes | None] = [None] * len(idx)
+        for f in sorted({f for f in files if self._blobs[f] is not None}):
+            blob = self._blobs[f]
+            assert blob is not None
+            pos = [i for i, g in enumerate(files) if g == f]
+            rec = idx[pos]
+            got = blob.read_ranges(list(zip(self._starts[rec].tolist(),
+                                            (self._ends[rec] - self._starts[rec]).tolist())))
+            for i, data in zip(pos, got):
+                lines[i] = data
+        return lines
 
     def _column(self, name: str, kind: str, values: list[Any], idx: np.ndarray) -> np.ndarray:
         if not values:

@@ -23,10 +23,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import DecodeError, SourceError
+from .array_record_remote import pin
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
 from .parallel import map_files
+from .parquet_remote import open_ranged_parquet
 from .paths import Paths, expand_paths
 
 log = logging.getLogger(__name__)
@@ -63,12 +65,20 @@ class ParquetSource(FileHandles):
         self.paths = expand_paths(paths, "ParquetSource")
         self.verify_checksums = bool(verify_checksums)
         self._stamps: list[FileStamp] = [stamp(p, "ParquetSource") for p in self.paths]
+        self._blobs = map_files(pin, self.paths)  # objects: version pinned for every process
         self.list_lengths = dict(list_lengths or {})
         self.cache_row_groups = cache_row_groups
         self.decode_threads = decode_threads if decode_threads is not None else min(4, _cores())
         # Footers only, on a few threads; no file stays open (reads reopen a file from its kept
         # footer, which costs no second footer read), so start-up holds no descriptors.
-        self._meta: list[Any] = map_files(self._footer, self.paths)
+        blobs = dict(zip(self.paths, self._blobs))
+
+        def footer(path: str) -> Any:
+            blob = blobs[path]  # objects: by ranges
+            return self._footer(path) if blob is None else \
+                open_ranged_parquet(blob, self.verify_checksums).metadata
+
+        self._meta: list[Any] = map_files(footer, self.paths)
         first = self._meta[0]
         schema = first.schema.to_arrow_schema()
         self.columns = list(columns) if columns is not None else list(schema.names)
@@ -154,7 +164,9 @@ class ParquetSource(FileHandles):
             err = changed(self.paths[index], self._stamps[index], "ParquetSource")
             if err is not None:  # never read the footer of another version of the file
                 raise err
-            files[index] = self._open(self.paths[index], self.verify_checksums, self._meta[index])
+            blob = self._blobs[index]
+            files[index] = self._open(self.paths[index], self.verify_checksums, self._meta[index]) \
+                if blob is None else open_ranged_parquet(blob, self.verify_checksums, self._meta[index])
         return files[index]
 
     def __len__(self) -> int:
@@ -220,6 +232,8 @@ class ParquetSource(FileHandles):
         try:
             table = self._file(file).read_row_group(local, columns=self.columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:
+            if isinstance(e, SourceError):  # the storage layer's own error names the object
+                raise
             err = changed(path, self._stamps[file], "ParquetSource")
             if err is not None:  # not corrupt: rewritten under us
                 raise err from e
