@@ -14,18 +14,18 @@
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_group
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(script: str, *args: str, timeout: int = 600) -> str:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
+    proc = run_group([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=timeout)
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout

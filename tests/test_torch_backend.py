@@ -1,10 +1,12 @@
 """PyTorch backend: tensors equal the numpy reference bit for bit, zero-copy, DDP over gloo,
 DataLoader workers, StatefulDataLoader-style state through torch.save and torch.distributed.checkpoint."""
 
+import contextlib
 import gc
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -445,15 +447,15 @@ def ddp_run(tmp_path_factory):
                 procs.append(subprocess.Popen(
                     [sys.executable, str(worker), "--out", str(out), "--steps", str(STEPS),
                      "--split", str(SPLIT)], env={**env, "RANK": str(r)}, stdout=log,
-                    stderr=subprocess.STDOUT))
+                    stderr=subprocess.STDOUT, start_new_session=True))
         for p, log in zip(procs, logs):
             p.wait(timeout=120)
             assert p.returncode == 0, log.read_text()[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        for p in procs:  # each in its own process group: end the group, forked children too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

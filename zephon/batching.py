@@ -20,7 +20,7 @@ import numpy as np
 from zephon.batchsize import BatchSizes, parse_schedule, steps_from_tokens
 from zephon.errors import PlanError
 from zephon.mixing import Mix, _gather_children
-from zephon.plan import Mapping, Node, Refs, _check_int
+from zephon.plan import MAX_POSITION, Mapping, Node, Refs, _check_int
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,12 @@ class Lanes(Node, kind="Lanes"):
                   for c in self.child.children] for l in range(self.count)]
         got = [self.child.length_for(s) for s in sizes]
         return None if any(g is None for g in got) else np.array(got, np.int64)
+
+    @property
+    def max_index(self) -> int:
+        """Lane inputs are below this: input `i` of a lane is stream position `i × count + lane`,
+        which must stay below `MAX_POSITION` (a cursor in a state beyond it is refused)."""
+        return MAX_POSITION // self.count
 
     def stream_positions(self, lanes: np.ndarray, index: np.ndarray) -> np.ndarray:
         """Stream position of input `index` of lane `lanes` (broadcast)."""
@@ -296,6 +302,21 @@ class Batch(Node, kind="Batch"):
 
     num_steps = length
 
+    @property
+    def max_step(self) -> int:
+        """The largest step a plan addresses: `step × size` (the largest size of a schedule)
+        stays below `MAX_POSITION`, so no position computed from a step wraps round in int64."""
+        return MAX_POSITION // max([self.size] + [b for _, b in self.schedule]) - 1
+
+    def check_step(self, step: Any, what: str = "step") -> int:
+        """`step` as an int if it is one this plan addresses, else a PlanError saying why."""
+        _check_step(step, what)
+        if step > self.max_step:
+            raise PlanError(f"{what} {step} is beyond the last step this plan addresses, "
+                            f"{self.max_step} (2**62 // the largest batch size, - 1): positions past "
+                            "2**62 would wrap round in int64 to the first steps' data.")
+        return int(step)
+
     def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
         return self.child._resolve(pos, epoch)
 
@@ -304,13 +325,14 @@ class Batch(Node, kind="Batch"):
 
         Rows come in global row order restricted to those lanes.
         """
-        _check_step(step)
+        self.check_step(step)
         lanes = np.arange(self.child.count, dtype=np.int64) if lanes is None else np.asarray(lanes, np.int64)
         lane, index, _ = self.sizes.rows(np.array([step], np.int64), lanes)
         return lane, index
 
     def refs(self, step: int, lanes: np.ndarray | None = None) -> Refs:
         """Record references of batch `step`'s rows (restricted to `lanes`) for 1:1 pipelines."""
+        step = self.check_step(step)
         n = self.length
         if n is not None and step >= n:
             raise PlanError(f"step {step} is past the end of the plan ({n} global batches)")
@@ -345,8 +367,8 @@ class Batch(Node, kind="Batch"):
                                     f"{r['epoch']:>6}" for r in rows])
 
 
-def _check_step(step: int) -> None:
+def _check_step(step: Any, what: str = "step") -> None:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-        raise PlanError(f"step must be an integer, got {step!r}")
+        raise PlanError(f"{what} must be an integer, got {step!r}")
     if step < 0:
-        raise PlanError(f"step must be non-negative, got {step}; steps count global batches from 0.")
+        raise PlanError(f"{what} must be non-negative, got {step}; steps count global batches from 0.")

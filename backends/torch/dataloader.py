@@ -96,6 +96,10 @@ class ZephonDataLoader(DataLoader):
         if not isinstance(dataset, ZephonIterableDataset):
             raise PlanError(f"ZephonDataLoader needs a ZephonIterableDataset, got "
                             f"{type(dataset).__name__}; wrap your plan and sources in one.")
+        if multiprocessing_context is None and num_workers > 0 and _fork_unsafe(dataset.sources):
+            # a forked worker cannot read ArrayRecord after this process opened readers (its
+            # thread pool does not survive fork): start workers from a clean server instead
+            multiprocessing_context = "forkserver"
         parts = num_workers > 0 and not dataset.one_to_one
         if parts:
             dataset.worker_rank(0, num_workers)  # refuses a lane count the workers cannot split
@@ -187,3 +191,15 @@ class ZephonDataLoader(DataLoader):
         self._consumed, self._position = 0, None
         self._generation += 1
         self._fresh = True
+
+
+def _fork_unsafe(sources: Any) -> bool:
+    """Whether forked workers would read ArrayRecord after this process opened readers."""
+    import multiprocessing as mp
+
+    from zephon.sources.array_record import ArrayRecordSource, readers_opened
+
+    items = sources.values() if isinstance(sources, Mapping) else (
+        sources if isinstance(sources, (list, tuple)) else [sources])
+    return (any(isinstance(s, ArrayRecordSource) for s in items) and readers_opened()
+            and "forkserver" in mp.get_all_start_methods())

@@ -144,8 +144,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         doc = {"zephon_verify": 1, "ok": ok, "seconds": round(wall, 1), "summary": line,
                "pipelines": [r.to_json() for r in reports]}
         Path(f"{out}.json").write_text(json.dumps(doc, indent=1))
-        write_heatmap(reports, f"{out}.png")
-        line += f"; report: {out}.json, {out}.png"
+        try:
+            write_heatmap(reports, f"{out}.png")
+            line += f"; report: {out}.json, {out}.png"
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] != "matplotlib":
+                raise
+            line += f"; report: {out}.json (no PNG: the heat map needs matplotlib, pip install 'zephon[plots]')"
     print(line)
     return 0 if ok else 1
 

@@ -34,7 +34,7 @@ from zephon.exec.perlane import PerLaneAssembly
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.schedule import TokenSchedule
 from zephon.exec.state import LaneState, canonical
-from zephon.exec.windows import Provenance, Window, WindowTask, rematerialize, window_size
+from zephon.exec.windows import Provenance, Window, WindowTask, privatize, rematerialize, window_size
 from zephon.plan import Batch, Mix, Refs
 from zephon.sources.base import Columns, RecordSource
 
@@ -42,6 +42,11 @@ if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load i
     from zephon.runners.base import Runner
 
 log = logging.getLogger(__name__)
+
+
+#: Pending windows per branch whose columns may stay in a runner's shared memory (older ones are
+#: copied out: see `LaneEngine._use`).
+_SHARED_WINDOWS = 3
 
 
 # --- the engine: the sequential part -------------------------------------------------------------
@@ -83,6 +88,7 @@ class LaneEngine(PerLaneAssembly):
         self.task = WindowTask(lanes, sources, pipeline.rows, owned, seed, starts, size, first,
                                self.limits, epoch)
         self.pending: list[deque[Window]] = [deque() for _ in range(self.nb)]
+        self._copied: set[tuple[int, int]] = set()  # pending windows already out of shared memory
         self.issued = [0] * self.nb
         self.want = [0.0] * self.nb  # windows each branch is expected to need next
         self._ended = [np.zeros(len(owned), bool) for _ in range(self.nb)]
@@ -174,8 +180,18 @@ class LaneEngine(PerLaneAssembly):
             t = min(count, int(win.bounds[k + 1] - win.used[k]))
             win.used[k] += t
             count -= t
-        while self.pending[b] and np.all(self.pending[b][0].used >= self.pending[b][0].bounds[1:]):
-            self.pending[b].popleft()
+        pending = self.pending[b]
+        while pending and np.all(pending[0].used >= pending[0].bounds[1:]):
+            self._copied.discard((b, pending.popleft().number))
+        # Lanes drift apart in a branch (a token mix, filters), so old windows stay pending for
+        # the slowest lanes. A window's columns may be views of a runner's shared memory, which
+        # cannot be reused while they live: past the newest few, windows are copied once, so the
+        # shared memory in use stays bounded however far the lanes drift.
+        for i in range(len(pending) - _SHARED_WINDOWS):
+            win = pending[i]
+            if (b, win.number) not in self._copied:
+                privatize(win)
+                self._copied.add((b, win.number))
 
     def close(self) -> None:
         results, self._results = self._results, None

@@ -87,10 +87,21 @@ class Loader(FiniteEnd):
         if isinstance(plan.lanes.child, Mix) is False and any(
                 isinstance(n, Mix) and n.sequential for n in plan_nodes(plan)):
             raise PlanError("a Mix by tokens (or stop='all') must be the direct child of .lanes(L).")
+        for sid, src in self.sources.items():
+            if not callable(getattr(src, "read", None)):
+                how = ("it has __len__ and __getitem__ (a Grain/torch-style source): wrap it in "
+                       "zephon.compat.grain.GrainSource (records in one column, for Grain-style "
+                       "transforms), or give it read(indices) -> {field: array}" if
+                       hasattr(src, "__getitem__") and hasattr(src, "__len__") else
+                       "give it __len__ and read(indices) -> {field: array}")
+                raise PlanError(f"source {sid} ({type(src).__name__}) is not a Zephon record source: "
+                                f"{how} (e.g. zephon.sources.ArraySource for arrays in memory).")
         self.domains = bool(domains)
         self._n_sources = max((s.id for s in leaf_sources(plan)), default=0) + 1
         self.pipeline = LanePipeline.split(transforms, per_source)
         self.transforms = self.pipeline.ops
+        if getattr(runner, "pickles", False):  # processes(): say so now, not at some later batch
+            _check_picklable(self.transforms)
         for what, v in (("seed", seed), ("rank", rank), ("world", world), ("epoch", epoch)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise PlanError(f"Loader({what}=...) must be a non-negative integer, got {v!r}")
@@ -124,6 +135,7 @@ class Loader(FiniteEnd):
         self._shift = 0
         self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed, self.epoch)
         self._pending: Iterator[tuple[Columns, Refs]] | None = None
+        self._busy = False  # a batch is being produced (a second thread gets a clear error)
         self._engine: LaneEngine | None = None
         self._step = 0
         self._lane_states: list[LaneState] = []
@@ -179,6 +191,18 @@ class Loader(FiniteEnd):
         return self.plan.steps_over(self._shift) if self.random_access else self.plan.num_steps
 
     def __next__(self) -> LocalBatch:
+        if self._busy:
+            raise PlanError("this Loader is already producing a batch in another thread: a loader "
+                            "is not shareable between threads. Build one loader per thread (e.g. "
+                            "Loader(..., lanes=...) over disjoint lanes, merged with merge_states), "
+                            "or hand batches from one thread to the others through a queue.")
+        self._busy = True
+        try:
+            return self._next()
+        finally:
+            self._busy = False
+
+    def _next(self) -> LocalBatch:
         if self.random_access:
             n = self.num_steps
             if n is not None and self._step >= n:
@@ -230,6 +254,7 @@ class Loader(FiniteEnd):
         """Batches start, start+stride, ... with grouped reads, for splitting steps among
         workers (worker w of W takes `strided(first + w, W)`). Leaves `self.step` alone."""
         self._need_random_access("strided()")
+        start = self.plan.check_step(start, "strided() start")
         n = self.num_steps
         if n is not None and start >= n:
             return
@@ -239,6 +264,7 @@ class Loader(FiniteEnd):
     def batch(self, step: int) -> LocalBatch:
         """Random access to global batch `step` (random-access pipelines only)."""
         self._need_random_access(f"batch({step})")
+        step = self.plan.check_step(step)
         cols, refs = self._task(step)
         return self._batch(step, cols, refs)
 
@@ -298,9 +324,7 @@ class Loader(FiniteEnd):
         if not self.random_access:
             raise StateError(f"seek() needs random access to steps, which {self._why()} prevents; "
                              "restore a saved state instead.")
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise PlanError(f"step must be a non-negative integer, got {step!r}")
-        self._moved(int(step), self.epoch)
+        self._moved(self.plan.check_step(step), self.epoch)
 
     def restore(self, state: Mapping[str, Any], *, allow_batch_change: bool = False) -> None:
         """Continues from `state` (saved at any data-parallel degree of the same plan).
@@ -349,6 +373,10 @@ class Loader(FiniteEnd):
         epoch = position.get("epoch", 0)
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise StateError(f"the state's epoch {epoch!r} is not a non-negative integer")
+        if step > self.plan.max_step:
+            raise StateError(f"the state's step {step} is beyond the last step this plan addresses "
+                             f"({self.plan.max_step}, from 2**62 positions); the state was edited or "
+                             "is corrupt — restore an earlier checkpoint.")
         lanes = position.get("lanes")
         if not isinstance(lanes, Mapping):
             raise StateError(f"the state's 'lanes' is {type(lanes).__name__}, expected an object "
@@ -361,9 +389,13 @@ class Loader(FiniteEnd):
                              "belongs to another plan.")
         missing = [int(l) for l in self.owned if str(int(l)) not in lanes]
         if missing:
+            has = sorted(int(k) for k in lanes)
+            held = f"lanes {has[0]}..{has[-1]}" if has == list(range(has[0], has[-1] + 1)) else f"lanes {has[:8]}"
             raise StateError(f"the state lacks lanes {missing[:8]}{'...' if len(missing) > 8 else ''} "
-                             "that this rank owns; merge every rank's state with merge_states() "
-                             "before restoring at a different data-parallel degree.")
+                             f"that this loader (rank {self.rank} of {self.world}) owns; it holds "
+                             f"{held if has else 'no lanes'} — another rank's (or worker's) state. "
+                             "Restore each rank's own state, or merge every rank's state with "
+                             "merge_states() and restore that at any data-parallel degree.")
         shift = lane_shift_of(position) if lane_shift is None else int(lane_shift)
         table = [self.plan.lanes.lane_limits(np.arange(count), b, self.plan.pad) for b in range(self.branches)]
         if self.random_access and (n := self.plan.steps_over(shift)) is not None:
@@ -371,7 +403,8 @@ class Loader(FiniteEnd):
 
         def parse(l: int) -> LaneState:
             limits = [None if t is None else int(t[l]) for t in table]
-            return LaneState.from_json(lanes[str(l)], l, self.branches, self.token_mix, limits)
+            return LaneState.from_json(lanes[str(l)], l, self.branches, self.token_mix, limits,
+                                       self.plan.lanes.max_index)
 
         parsed = [parse(int(l)) for l in self.owned]
         if self.plan.lane_offset(step) + shift < 0:
@@ -394,6 +427,24 @@ class Loader(FiniteEnd):
         self._lane_states = parsed
         if len(lanes) == count and len(self.owned) < count:  # a merged state: where every lane is
             self._everyone = (step, [parse(l) for l in range(count)])
+
+
+def _check_picklable(ops: Sequence[Any]) -> None:
+    """Worker processes receive the operators pickled: one that cannot be (a lambda, a closure)
+    is refused when the loader is built, naming it, rather than at the batch that first ships it."""
+    import pickle
+
+    for op in ops:
+        chains = getattr(op, "chains", None)
+        for inner in ([t for chain in chains.values() for t in chain] if chains else [op]):
+            try:
+                pickle.dumps(inner, protocol=5)
+            except Exception as e:
+                raise PlanError(f"operator {getattr(inner, 'op_name', type(inner).__name__)} cannot be "
+                                f"pickled for processes() ({type(e).__name__}: {e}); define its "
+                                "function at module level (no lambda or closure), or use the "
+                                "threads() runner.") from e
+
 
 
 __all__ = ["JSON", "LaneState", "Loader", "LocalBatch", "Operator", "check_micro_count", "check_micro_schedule",

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from zephon.columns import objects
 from zephon.errors import PlanError, StateError
 from zephon.exec.steps import raise_captured, read_refs
 from zephon.ops.base import Transform, run_transforms, sub_index
@@ -171,3 +172,24 @@ def rematerialize(task: WindowTask, states: Sequence[Any]
             order = np.array([key[tuple(h)] for h in st.held], np.int64)
             out[k] = (take_rows(cols, order), [prov[i] for i in order])
     return out
+
+
+def private_copy(cols: Columns) -> Columns:
+    """Columns that own their memory: arrays copied, and in object columns every array element
+    (a document's tokens) too — a view would keep the shared-memory slot it came in alive."""
+    out: Columns = {}
+    for name, v in cols.items():
+        if v.dtype == object and v.ndim == 1:
+            out[name] = objects([x.copy() if isinstance(x, np.ndarray) else x for x in v])
+        else:
+            out[name] = v.copy()
+    return out
+
+
+def privatize(win: Window) -> None:
+    """Every array of `win` copied out of the memory it arrived in (see `private_copy`)."""
+    win.cols = private_copy(win.cols)
+    win.index, win.sub = win.index.copy(), win.sub.copy()
+    win.bounds, win.ended = win.bounds.copy(), win.ended.copy()
+    r = win.refs
+    win.refs = Refs(r.source.copy(), r.record.copy(), r.epoch.copy(), {k: v.copy() for k, v in r.extra.items()})

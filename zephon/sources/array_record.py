@@ -36,6 +36,42 @@ _FILE_READER_BUFFER_SIZE = 32768
 WRITER_OPTIONS = "group_size:1"
 
 
+# The C++ reader works on a process-wide thread pool. `os.fork()` copies that pool into the
+# child without its threads, and with any lock one of them held at that instant. Measured with a
+# thread reading while the parent forks: a child's reads blocked forever in a futex in 2 of 60
+# forks, in the reader's constructor (a new reader of the child's own) — and still 1 in 60 with
+# every read quiesced across the fork and the child's readers kept off the pool
+# (`max_parallelism:0`). Nothing a child can do is safe, so a process forked from one that opened
+# ArrayRecord readers refuses to read, saying how to start workers instead.
+_state = {"opened": False, "forked": False}
+
+
+def _after_fork_in_child() -> None:
+    if _state["opened"]:
+        _state["forked"] = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def readers_opened() -> bool:
+    """Whether this process opened ArrayRecord readers (so its forked children must not read:
+    start workers with 'forkserver' or 'spawn')."""
+    return _state["opened"]
+
+
+def _refuse_after_fork(path: str) -> None:
+    if _state["forked"]:
+        raise SourceError(
+            f"cannot read {path} in a process forked (os.fork) from one that had opened ArrayRecord "
+            "readers: the reader's thread pool and its locks do not survive a fork, and a read here "
+            "can block forever. Start worker processes with 'forkserver' or 'spawn' instead: "
+            "torch DataLoader(..., multiprocessing_context='forkserver'), "
+            "multiprocessing.set_start_method('forkserver'); zephon.runners.processes() uses "
+            "forkserver by default.")
+
+
 def _module() -> Any:
     from array_record.python import array_record_module
 
@@ -53,6 +89,8 @@ def _open_reader(path: str, options: str, blob: Blob | None = None) -> Any:
     empty records instead of raising. The sequential `read()` is the one call that reports the
     reader's status message, so it supplies the reason.
     """
+    _refuse_after_fork(path)
+    _state["opened"] = True
     if blob is not None:
         return ranged_reader(blob)
     reader = _module().ArrayRecordReader(path, options,
@@ -92,8 +130,9 @@ def _warn_group_size(path: str, reader: Any) -> None:
 class ArrayRecordSource(FileHandles):
     """Random-access records from ArrayRecord files, decoded by `spec`.
 
-    Readers are opened lazily and are never pickled, and a forked child opens its own, so the
-    source can be shipped to worker processes as is.
+    Readers are opened lazily and are never pickled, so the source can be shipped to worker
+    processes started with 'forkserver' or 'spawn' as is. A process forked from one that opened
+    readers refuses to read (a `SourceError` saying so): the C++ reader can block forever there.
 
     Each shard's identity (inode, size, mtime) is recorded here and checked after every read and
     on every read error: ArrayRecord's reader returns empty records from a file rewritten under
@@ -134,6 +173,7 @@ class ArrayRecordSource(FileHandles):
 
     def _reader(self, shard: int) -> Any:
         if self._pid != os.getpid():  # forked: the parent's readers are not ours to share
+            _refuse_after_fork(self.paths[shard])
             self._reset()
         reader = self._readers[shard]
         if reader is None:

@@ -34,6 +34,21 @@ class Run:
     dtypes: dict[str, np.dtype] = field(default_factory=dict)
 
 
+#: Optional dependencies a configuration may need, and the extra that installs each: without
+#: it the configuration does not apply here (n/a), it does not differ.
+_EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "grain": "grain", "tokenizers": "lm",
+           "tensorflow_datasets": "tfds", "torchdata": "torch"}
+
+
+def _missing_extra(e: BaseException) -> str | None:
+    """'X is not installed: pip install zephon[extra]' when `e` is an optional dependency that is
+    missing, else None."""
+    if not isinstance(e, ModuleNotFoundError):
+        return None
+    extra = _EXTRAS.get((e.name or "").split(".")[0])
+    return None if extra is None else f"{e.name} is not installed: pip install 'zephon[{extra}]'"
+
+
 def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapping[str, np.dtype] = {},
                keep_batches: bool = False, timeout: float = 600.0, on_step: Callable[[], None] | None = None) -> Run:
     """Runs `config` for `steps` global steps. Raises `_NotApplicable` when it cannot run."""
@@ -219,6 +234,10 @@ def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:
+                missing = _missing_extra(e)
+                if missing is not None:
+                    results.append(RunResult(cfg.name, "n/a", note=missing, seconds=time.perf_counter() - t))
+                    continue
                 results.append(RunResult(cfg.name, "error", note=f"{type(e).__name__}: {e}",
                                          seconds=time.perf_counter() - t,
                                          detail="".join(traceback.format_exception(e)[-4:])))
