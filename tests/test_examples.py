@@ -14,6 +14,7 @@
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -106,6 +107,7 @@ def test_torch_train_example(tmp_path):
     out = run("examples/torch_train.py", "--steps", "6", "--out", str(tmp_path))
     assert "equals A bit for bit: True" in out, out
     assert "saw A's global batches at every step: True" in out, out
+    assert re.search(r"A: the training loop \(rank 0\) waited for data \d+\.\d% of its time", out), out
 
 
 @pytest.mark.slow

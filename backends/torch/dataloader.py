@@ -10,6 +10,7 @@ that change the number of records (filters, packing): each takes a block of the 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,9 @@ from torch.utils.data import DataLoader, get_worker_info
 from zephon.backends.torch.batch import TorchBatch, _can_pin
 from zephon.backends.torch.dataset import WorkerPart, ZephonIterableDataset
 from zephon.errors import PlanError, StateError
+from zephon.telemetry import Stats, Telemetry
+from zephon.telemetry import make as telemetry_recorder
+from zephon.telemetry import require as require_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,11 @@ class ZephonDataLoader(DataLoader):
     position with its rows; this loader joins the W parts of each step in lane order and keeps
     the merged position of the last batch it handed out. The batches are the same for every W.
 
+    `stats()` (telemetry, on by default; `telemetry=False` or a `zephon.Telemetry(...)`) times
+    how long the training loop waited for each batch (stall %) and sums the stage times every
+    worker reports with its batches (read, ops, assembly, emit), so a stage that keeps its
+    workers busy while the loop stalls is the one to give more workers.
+
     Batch-shaping options (`batch_size`, `sampler`, `collate_fn`, ...) do not exist: the plan
     decides batches. Workers are never persistent, so each `iter()` starts them at the cursor,
     and results stay in order.
@@ -92,7 +101,8 @@ class ZephonDataLoader(DataLoader):
 
     def __init__(self, dataset: ZephonIterableDataset, *, num_workers: int = 0,
                  pin_memory: bool = False, timeout: float = 0, worker_init_fn: Any = None,
-                 multiprocessing_context: Any = None, prefetch_factor: int | None = None) -> None:
+                 multiprocessing_context: Any = None, prefetch_factor: int | None = None,
+                 telemetry: bool | Telemetry = True) -> None:
         if not isinstance(dataset, ZephonIterableDataset):
             raise PlanError(f"ZephonDataLoader needs a ZephonIterableDataset, got "
                             f"{type(dataset).__name__}; wrap your plan and sources in one.")
@@ -113,6 +123,9 @@ class ZephonDataLoader(DataLoader):
         self._position: dict[str, Any] | None = None  # after the last joined batch (parts)
         self._generation = 0
         self._fresh = True  # the next iter() starts at the dataset's start, not the next epoch
+        n = dataset.plan.num_steps
+        self._tel = telemetry_recorder(telemetry if dataset.telemetry else False,
+                                       None if n is None else max(0, n - dataset.start_step))
 
     def _current(self) -> dict[str, Any]:
         """Position after the last batch handed out."""
@@ -143,26 +156,58 @@ class ZephonDataLoader(DataLoader):
                              "consume one iterator at a time.")
 
     def _counted(self, batches: Iterator[dict[str, Any]], generation: int) -> Iterator[dict[str, Any]]:
-        for batch in batches:
+        tel = self._tel
+        while True:
+            t0 = tel.begin() if tel is not None else 0.0
+            batch = next(batches, None)
+            if batch is None:
+                if tel is not None:
+                    tel.end(t0, None)
+                return
             self._superseded(generation)
             self._consumed += 1
+            if tel is not None:
+                self._report(tel, [batch])
+                tel.end(t0, batch)
             yield batch
+
+    @staticmethod
+    def _report(tel: Telemetry, batches: Sequence[Any]) -> None:
+        """Takes the stage times the producing workers attached to their batches."""
+        for b in batches:
+            snap = getattr(b, "telemetry", None)
+            if snap is not None:
+                worker, stages, nbytes, workers = snap
+                tel.external(f"worker {worker}", stages, nbytes, workers)
+
+    def stats(self) -> Stats:
+        """Telemetry so far: the loop's stall %, the workers' stage times, rows/tokens/bytes."""
+        return require_telemetry(self._tel, "this ZephonDataLoader").stats()
 
     def _joined(self, parts: Iterator[WorkerPart], generation: int, step: int) -> Iterator[dict[str, Any]]:
         workers = self.num_workers
         pin = self.pin_memory and _can_pin()
         plan = self.dataset.plan  # type: ignore[attr-defined]
+        tel = self._tel
         while True:
+            t0 = tel.begin() if tel is not None else 0.0
             group: list[WorkerPart] = []
             for w in range(workers):
                 part = next(parts, None)
                 if part is None or part.step != step or part.worker != w:
                     # the plan ended: a worker whose lanes ran out stopped, and DataLoader goes
                     # on with the others; the step is incomplete, as it is for one loader
+                    if tel is not None:
+                        tel.end(t0, None)
                     return
                 group.append(part)
             self._superseded(generation)
+            t1 = time.perf_counter()
             batch = join_parts(group, plan.per_lane_at(step), pin)
+            if tel is not None:
+                tel.add("assembly", time.perf_counter() - t1)
+                self._report(tel, [p.data for p in group])
+                tel.end(t0, batch)
             shift = group[0].position.get("lane_shift")  # a run resumed at another batch size
             self._position = {"step": step + 1,
                               "lanes": {k: v for p in group for k, v in p.position["lanes"].items()},

@@ -63,7 +63,9 @@ class ZephonIterableDataset(IterableDataset):
     DataLoader cannot join them, so it gets such a pipeline with `num_workers <= 1` only.
 
     Keep `in_order=True` (the default) with workers. A `runner` runs inside whichever process
-    iterates; other keyword arguments go to `zephon.Loader`.
+    iterates; other keyword arguments go to `zephon.Loader`. With `telemetry=True` (the
+    default) every batch carries its loader's stage times (`TorchBatch.telemetry`), which
+    `ZephonDataLoader.stats()` sums over its workers.
 
     A finite plan's end (`len()`) is learnt in the main process, through `torch.distributed`
     when its pipeline changes the number of records, and handed to the loaders it starts.
@@ -76,6 +78,7 @@ class ZephonIterableDataset(IterableDataset):
                  dtypes: Mapping[str, Any] | None = None, **loader_options: Any) -> None:
         self.plan, self.sources, self.transforms = plan, sources, tuple(transforms)
         self._all_gather = loader_options.pop("all_gather", None) or all_gather_fn(group)
+        self.telemetry = bool(loader_options.pop("telemetry", True))  # per-process recorders
         micro = loader_options.pop("micro_batches", None)  # this rank's rows, not a worker's part
         self.loader_options = loader_options
         self._end: int | None = None  # the plan's end in the start's epoch, once known
@@ -99,7 +102,17 @@ class ZephonIterableDataset(IterableDataset):
         return Loader(self.plan, self.sources, self.transforms, seed=self.seed,
                       rank=self.rank if rank is None else rank, world=self.world if world is None else world,
                       runner=runner, start_step=start_step, epoch=self.epoch, end=None if main else self._end,
-                      all_gather=self._all_gather if main else None, **self.loader_options)
+                      all_gather=self._all_gather if main else None, telemetry=self.telemetry,
+                      **self.loader_options)
+
+    def _emit(self, loader: Loader, batch: Any, worker: int) -> Any:
+        """The batch as tensors; with telemetry, timed and carrying this process's stage times."""
+        tel = loader.telemetry
+        if tel is None:
+            return self.emitter(batch)
+        out = tel.timed("emit", self.emitter, batch)
+        out.telemetry = (worker, *tel.snapshot())
+        return out
 
     def _main_loader(self) -> Loader:
         if self._main is None:
@@ -230,7 +243,7 @@ class ZephonIterableDataset(IterableDataset):
             if info is None:
                 self._live = loader
             for batch in loader:
-                yield self.emitter(batch)
+                yield self._emit(loader, batch, worker)
             return
         if not self.one_to_one:
             raise PlanError(f"this pipeline changes the number of records, so its lanes advance "
@@ -238,7 +251,7 @@ class ZephonIterableDataset(IterableDataset):
                             "use ZephonDataLoader (its workers split the lanes and it joins their "
                             "rows), or num_workers=0 or 1.")
         for batch in loader.strided(loader.step + worker, workers):
-            yield self.emitter(batch)
+            yield self._emit(loader, batch, worker)
 
     def _iter_parts(self, worker: int, workers: int) -> Iterator[WorkerPart]:
         rank, world = self.worker_rank(worker, workers)
@@ -247,5 +260,5 @@ class ZephonIterableDataset(IterableDataset):
         lanes = [int(l) for l in loader.owned]
         for batch in loader:
             # a copy: the part is pickled later, by the queue's feeder thread
-            yield WorkerPart(batch.step, worker, lanes, self.emitter(batch),
+            yield WorkerPart(batch.step, worker, lanes, self._emit(loader, batch, worker),
                              copy.deepcopy(loader.position()))

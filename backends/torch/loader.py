@@ -5,6 +5,7 @@ Parallelism comes from a Zephon runner; optional `DTensor` output over a device 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -21,6 +22,9 @@ from zephon.ops.base import Operator
 from zephon.plan import Batch
 from zephon.runners.base import Runner
 from zephon.sources.base import RecordSource
+from zephon.telemetry import Stats
+from zephon.telemetry import make as telemetry_recorder
+from zephon.telemetry import require as require_telemetry
 
 Sources = RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource]
 
@@ -32,6 +36,9 @@ class TorchLoader:
     `group`), or come from `mesh` (then fields are `DTensor`s sharded on dim 0 over
     `mesh_dims`); plus the `Emitter` options `dtypes`, `pin_memory`, `device`. Other keyword
     arguments go to `zephon.Loader` (e.g. `read_ahead`). `close()` closes the runner.
+    `telemetry` (True by default, False, or a `zephon.Telemetry(...)`) backs `stats()`: the
+    caller's wait in `next()` (stall %), the loader's stages and the emit stage (tensors, casts,
+    pinning, device transfer).
 
     A finite plan ends at the same step on every rank (ranks agree through `torch.distributed`
     when its pipeline changes the number of records), `len()` is the steps left, and every
@@ -56,8 +63,14 @@ class TorchLoader:
         else:
             rank, world = data_parallel(rank, world, group)
         loader_options.setdefault("all_gather", all_gather_fn(group))
+        n = plan.num_steps
+        self._tel = telemetry_recorder(loader_options.pop("telemetry", True),
+                                       None if n is None else max(0, n - start_step))
         self.loader = Loader(plan, sources, transforms, seed=seed, rank=rank, world=world,
-                             runner=runner, start_step=start_step, **loader_options)
+                             runner=runner, start_step=start_step, telemetry=self._tel is not None,
+                             **loader_options)
+        if self._tel is not None and self.loader.telemetry is not None:
+            self._tel.include(self.loader.telemetry)
         self.loader.settle_end()
         self._fresh = True  # the next iter() continues here instead of starting the next epoch
         self.emitter = Emitter.make(dtypes, pin_memory, device)
@@ -99,10 +112,23 @@ class TorchLoader:
 
     def __next__(self) -> dict[str, Any]:
         self._fresh = False
+        if self._tel is None:
+            return self._next_tensors()
+        return self._tel.step(self._next_tensors)
+
+    def _next_tensors(self) -> dict[str, Any]:
         batch = next(self.loader)
+        t0 = time.perf_counter()
         out = self.emitter(batch)
         self._provenance = replace(batch, data={})
-        return out if self._mesh is None else to_dtensors(out, self._mesh, self._mesh_dims)
+        out = out if self._mesh is None else to_dtensors(out, self._mesh, self._mesh_dims)
+        if self._tel is not None:
+            self._tel.add("emit", time.perf_counter() - t0)
+        return out
+
+    def stats(self) -> Stats:
+        """Telemetry so far: stall %, stage times, rows/tokens/bytes (see `zephon.telemetry`)."""
+        return require_telemetry(self._tel, "this TorchLoader").stats()
 
     @property
     def provenance(self) -> LocalBatch | None:
@@ -132,6 +158,8 @@ class TorchLoader:
 
     def close(self) -> None:
         self.loader.close()
+        if self._tel is not None:
+            self._tel.close()
 
     def __enter__(self) -> TorchLoader:
         return self

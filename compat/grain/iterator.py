@@ -17,6 +17,7 @@ import grain
 
 from zephon.errors import StateError
 from zephon.exec.loader import Loader, LocalBatch
+from zephon.telemetry import Stats, Telemetry
 
 from .records import RECORD, RNG, collate, elements, grain_strings, unflatten_columns
 
@@ -59,6 +60,10 @@ class Iterator(grain.DatasetIterator):
     def __init__(self, loader: Loader, *, batched: bool = True) -> None:
         super().__init__()
         self.loader = loader
+        # telemetry: this iterator's waits and its conversion time, plus the loader's stages
+        self._tel = Telemetry(total=loader.telemetry.total) if loader.telemetry is not None else None
+        if self._tel is not None:
+            self._tel.include(loader.telemetry)  # type: ignore[arg-type]
         self.batched = batched
         self._rows: list[Any] = []
         self._taken = 0
@@ -79,13 +84,27 @@ class Iterator(grain.DatasetIterator):
     def __next__(self) -> Any:
         self._assert_not_closed()
         if self.batched:
-            return self.emit(next(self.loader), batched=True)
+            if self._tel is None:
+                return self.emit(next(self.loader), batched=True)
+            return self._tel.step(self._next_timed)
         while self._taken >= len(self._rows):
             self._before = self.loader.position()
             self._rows = self.emit(next(self.loader), batched=False)
             self._taken = 0
         self._taken += 1
         return self._rows[self._taken - 1]
+
+    def _next_timed(self) -> Any:
+        assert self._tel is not None
+        batch = next(self.loader)
+        return self._tel.timed("emit", self.emit, batch, batched=True)
+
+    def stats(self) -> Stats:
+        """Telemetry so far (see `zephon.telemetry`): batched iteration times this iterator's
+        `next()`; unbatched iteration reports the loader's, per step."""
+        if self._tel is None or not self.batched:
+            return self.loader.stats()
+        return self._tel.stats()
 
     @property
     def step(self) -> int:

@@ -128,7 +128,7 @@ class FiniteEnd:
     def _stop_pending(self) -> None:
         raise NotImplementedError  # the loader's
 
-    def _engine_step(self) -> tuple[Columns, Any, np.ndarray]:
+    def _engine_step(self, sink: Any = None) -> tuple[Columns, Any, np.ndarray]:
         """The next step of a count-changing pipeline: the lanes' rows, padded where a lane ran
         out, or only padding once all owned lanes ran out and other ranks' lanes have not."""
         end = self.end_step() if self._agrees() else self._ends.get(self.epoch)
@@ -139,6 +139,7 @@ class FiniteEnd:
         if self._engine is None:
             self._engine = LaneEngine(self.plan, self.sources, self.pipeline, self.owned, self.seed, self.runner,
                                       self.read_ahead, self._lane_states, self._step, self.epoch)
+            self._engine.sink = sink
         mark = self._engine.mark() if end is None and not self.plan.pad else None
         try:
             cols, prov, valid = self._engine.next()

@@ -22,6 +22,7 @@ O(lanes × carry), whatever the step.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ from zephon.exec.perlane import PerLaneAssembly
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.schedule import TokenSchedule
 from zephon.exec.state import LaneState, canonical
+from zephon.exec.steps import Sink
 from zephon.exec.windows import Provenance, Window, WindowTask, privatize, rematerialize, window_size
 from zephon.plan import Batch, Mix, Refs
 from zephon.sources.base import Columns, RecordSource
@@ -94,6 +96,7 @@ class LaneEngine(PerLaneAssembly):
         self._ended = [np.zeros(len(owned), bool) for _ in range(self.nb)]
         self._runner = runner
         self._results: Iterator[Window] | None = None
+        self.sink: Sink | None = None  # set by the Loader when telemetry is on
         self._skip_applied = False
         period = lanes.child.period if self.nb == 1 else None
         #: inputs of one epoch in a lane, for the never-outputs guard (None: no epochs)
@@ -139,7 +142,8 @@ class LaneEngine(PerLaneAssembly):
             # the first window of every branch is computed here, while the runner's workers
             # start: the first batch comes as fast as one window can be read
             for b in range(self.nb):
-                self._receive(self.task((b, 0)))
+                t0 = time.perf_counter()
+                self._receive(self.task((b, 0)), t0)
                 self.issued[b] = 1
             items = self._items()
             self._results = (map(self.task, items) if self._runner is None
@@ -147,12 +151,15 @@ class LaneEngine(PerLaneAssembly):
             return
         while True:
             self.want[branch] += 1
+            t0 = time.perf_counter()
             win = next(self._results)
-            self._receive(win)
+            self._receive(win, t0)
             if win.branch == branch:
                 return
 
-    def _receive(self, win: Window) -> None:
+    def _receive(self, win: Window, t0: float) -> None:
+        if self.sink is not None:  # telemetry: the window's stage times, how long we waited
+            self.sink(win, time.perf_counter() - t0)
         win.used = win.bounds[:-1].copy()
         self.pending[win.branch].append(win)
 

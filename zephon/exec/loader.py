@@ -31,6 +31,9 @@ from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_
 from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transforms
 from zephon.plan import Batch, Mix, Refs, plan_diff
 from zephon.sources.base import Columns, RecordSource
+from zephon.telemetry import StageSink, Stats, Telemetry
+from zephon.telemetry import make as telemetry_recorder
+from zephon.telemetry import require as require_telemetry
 
 if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
     from zephon.runners.base import Runner
@@ -57,6 +60,8 @@ class Loader(FiniteEnd):
         split a rank's lanes; `position()`/`state()` then cover just them (merge them).
       micro_batches: the micro-batch count the training loop will cut every batch into; checked
         here, against every batch size of the plan's schedule, instead of at the step it fails.
+      telemetry: True (default), False, or a `zephon.Telemetry(log_every=..., progress=...)`:
+        what `stats()` reports (stall, stage times, throughput). Never changes the data.
       domains: add per-domain accounting fields to every batch (`source_id`, and for packed
         rows `tokens_by_source`, `trained_by_source`; see `zephon.accounting`).
       all_gather: `[ints] -> every rank's [ints]` through the runtime in use: how ranks agree on
@@ -71,8 +76,9 @@ class Loader(FiniteEnd):
                  transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
                  seed: int = 0, rank: int = 0, world: int = 1, runner: Runner | None = None, start_step: int = 0,
                  read_ahead: int | None = None, lanes: Sequence[int] | None = None,
-                 micro_batches: int | None = None, domains: bool = False, all_gather: AllGather | None = None,
-                 epoch: int = 0, end: int | None = None) -> None:
+                 micro_batches: int | None = None, telemetry: bool | Telemetry = True,
+                 domains: bool = False, all_gather: AllGather | None = None, epoch: int = 0,
+                 end: int | None = None) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         self.plan = plan
@@ -139,6 +145,10 @@ class Loader(FiniteEnd):
         self._engine: LaneEngine | None = None
         self._step = 0
         self._lane_states: list[LaneState] = []
+        n = plan.num_steps
+        self._tel = telemetry_recorder(telemetry, None if n is None or not isinstance(start_step, int)
+                                       else max(0, n - start_step), getattr(runner, "workers", 1))
+        self._sink = StageSink(self._tel) if self._tel is not None else None
         if self.random_access:
             self.seek(start_step)
         else:
@@ -198,17 +208,28 @@ class Loader(FiniteEnd):
                             "or hand batches from one thread to the others through a queue.")
         self._busy = True
         try:
-            return self._next()
+            return self._next() if self._sink is None else self._sink.step(self._next)
         finally:
             self._busy = False
 
+    def stats(self) -> Stats:
+        """Telemetry so far: stall, stage times, rows/tokens/bytes (see `zephon.telemetry`)."""
+        return require_telemetry(self._tel, "this Loader").stats()
+
+    @property
+    def telemetry(self) -> Telemetry | None:
+        """The recorder behind `stats()` (None when built with telemetry=False)."""
+        return self._tel
+
     def _next(self) -> LocalBatch:
+        sink = self._sink
         if self.random_access:
             n = self.num_steps
             if n is not None and self._step >= n:
                 raise StopIteration
             if self._pending is None:
-                self._pending = iterate_steps(self._task, self.runner, self._step, self.read_ahead)
+                self._pending = iterate_steps(self._task, self.runner, self._step, self.read_ahead,
+                                              sink=sink)
             try:
                 cols, refs = next(self._pending)
             except BaseException:
@@ -216,7 +237,7 @@ class Loader(FiniteEnd):
                 raise
             batch = self._batch(self._step, cols, refs)
         else:
-            cols, prov, valid = self._engine_step()
+            cols, prov, valid = self._engine_step(sink)
             if isinstance(prov, Refs):
                 batch = self._batch(self._step, cols, refs=prov, valid=valid)
             else:
@@ -258,7 +279,9 @@ class Loader(FiniteEnd):
         n = self.num_steps
         if n is not None and start >= n:
             return
-        for k, (cols, refs) in enumerate(iterate_steps(self._task, self.runner, start, self.read_ahead, stride)):
+        sink = self._sink
+        for k, (cols, refs) in enumerate(iterate_steps(self._task, self.runner, start, self.read_ahead, stride,
+                                                       sink=sink)):
             yield self._batch(start + k * stride, cols, refs)
 
     def batch(self, step: int) -> LocalBatch:
@@ -271,6 +294,8 @@ class Loader(FiniteEnd):
     def close(self) -> None:
         """Stops prefetching and closes the runner (its workers and shared memory)."""
         self._stop_pending()
+        if self._tel is not None:
+            self._tel.close()
         closer = getattr(self.runner, "close", None)
         if closer is not None:
             closer()

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from zephon.exec.padding import Schema, scatter, schema_of
 from zephon.ops.base import Transform, run_transforms
 from zephon.plan import Batch, Node, Refs, Source
 from zephon.sources.base import Columns, RecordSource
+from zephon.telemetry import column_bytes
 
 if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
     from zephon.runners.base import Runner
@@ -142,6 +144,10 @@ class GroupResult:
     batches: list[tuple[Columns, Refs]]
     error: BaseException | None = None
     traceback: str = ""
+    #: telemetry (`zephon.telemetry`): seconds reading, seconds in transforms, bytes read
+    read_s: float = 0.0
+    ops_s: float = 0.0
+    nbytes: int = 0
 
     def raise_error(self) -> None:
         raise_captured(self.error, self.traceback)
@@ -187,6 +193,7 @@ class StepTask:
         return result.batches[0]
 
     def run(self, start: int, count: int, stride: int = 1) -> GroupResult:
+        t0 = time.perf_counter()
         try:
             refs, rows = steps_rows(self.plan, start, count, self.lanes, stride, self.shift, self.epoch)
             valid = refs.source >= 0
@@ -197,6 +204,7 @@ class StepTask:
             if count == 1:
                 return _failed(start, [])
             return self._one_by_one(start, count, stride)  # error path: pin the failure on its step
+        t1 = time.perf_counter()
         ends = np.cumsum(rows)
         out: list[tuple[Columns, Refs]] = []
         for k in range(count):
@@ -209,7 +217,8 @@ class StepTask:
                 except Exception:
                     return _failed(start, out)
             out.append((part, step_refs))
-        return GroupResult(start, out)
+        t2 = time.perf_counter()
+        return GroupResult(start, out, read_s=t1 - t0, ops_s=t2 - t1, nbytes=column_bytes(cols))
 
     def _padded(self, start: int, rows: np.ndarray, refs: Refs, valid: np.ndarray) -> GroupResult:
         """Steps with padding rows: each step's valid rows read and transformed, then placed
@@ -252,6 +261,10 @@ def _failed(start: int, done: list[tuple[Columns, Refs]]) -> GroupResult:
     return GroupResult(start, done, sys.exc_info()[1], traceback.format_exc())
 
 
+#: Telemetry's hook: a group (or window) result and the seconds the consumer waited for it.
+Sink = Callable[[Any, float], None]
+
+
 @dataclass(frozen=True)
 class GroupTask:
     """`(start, count, stride) -> GroupResult`: what a runner maps over (picklable, pure)."""
@@ -262,15 +275,19 @@ class GroupTask:
         return self.task.run(*item)
 
 
-def iterate_steps(task: StepTask, runner: Runner | None, start: int, read_ahead: int, stride: int = 1
-                  ) -> Iterator[tuple[Columns, Refs]]:
+def iterate_steps(task: StepTask, runner: Runner | None, start: int, read_ahead: int, stride: int = 1,
+                  sink: Sink | None = None) -> Iterator[tuple[Columns, Refs]]:
     """Owned rows of steps start, start+stride, ...: the first inline, the rest in group reads.
 
     The first step is computed in the caller's thread, so it comes back as fast as one step can,
     and its size bounds the group reads (`READ_AHEAD_BYTES`) before any is issued. A module-level
     generator (not a method) so that a dropped loader is freed at once, closing its runner.
+    `sink(result, seconds)` (telemetry) gets every group and how long the caller waited for it.
     """
+    t0 = time.perf_counter()
     first = task.run(start, 1)
+    if sink is not None:
+        sink(first, time.perf_counter() - t0)
     yield from first.batches
     first.raise_error()
     plan = task.plan
@@ -287,7 +304,13 @@ def iterate_steps(task: StepTask, runner: Runner | None, start: int, read_ahead:
     gtask = GroupTask(task)
     results = map(gtask, items) if runner is None else iter(runner.imap(gtask, items))
     try:
-        for result in results:
+        while True:
+            t0 = time.perf_counter()
+            result = next(results, None)
+            if result is None:
+                break
+            if sink is not None:
+                sink(result, time.perf_counter() - t0)
             yield from result.batches
             result.raise_error()
     finally:
