@@ -73,6 +73,10 @@ class JaxLoader:
 
     The process's data-parallel rank and degree come from the mesh and `jax.process_index()`.
     Use it as a context manager or call `close()` to stop the prefetch thread promptly.
+
+    A finite plan ends at the same step in every process (they agree through `jax.distributed`
+    when its pipeline changes the number of records; see `zephon.exec.end`); `len()` is the
+    steps left and `set_epoch(e)` goes to step 0 of pass `e`.
     """
 
     def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
@@ -102,11 +106,13 @@ class JaxLoader:
         log.info("process %d loads row block %d of %d of every global batch (%s)", jax.process_index(),
                  self.layout.rank, self.layout.world, _describe(first))
         self.prefetch = prefetch
+        loader_options.setdefault("all_gather", _process_all_gather() if jax.process_count() > 1 else None)
         self._loader = Loader(plan, sources, transforms, seed=seed, rank=self.layout.rank,
                               world=self.layout.world, runner=runner, start_step=start_step,
                               telemetry=self._tel is not None, **loader_options)
         if self._tel is not None and self._loader.telemetry is not None:
             self._tel.include(self._loader.telemetry)
+        self._loader.settle_end()  # here, not in the prefetch thread: it may run a collective
         self._state = self._loader.position()
         self._prefetcher: _Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
@@ -122,6 +128,29 @@ class JaxLoader:
 
     def __iter__(self) -> JaxLoader:
         return self
+
+    def __len__(self) -> int:
+        """Global batches left in this epoch of a finite plan (TypeError if it repeats forever)."""
+        if self._loader.end_if_known() is None and self._loader.finite:
+            # counting reads the loader's lanes: not while the prefetch thread moves them
+            self._halt()
+            self._loader.seek_position(self._state)
+        end = self._loader.end_step()
+        if end is None:
+            raise TypeError("this JaxLoader has no length: its plan repeats forever.")
+        return max(0, end - self.step)
+
+    @property
+    def epoch(self) -> int:
+        return int(self._state.get("epoch", 0))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Goes to step 0 of pass `epoch` over the finite plan (the order `repeat()` gives it)."""
+        self._halt()
+        self._loader.set_epoch(epoch)
+        self._loader.settle_end()
+        self._state = self._loader.position()
+        self._ended = None
 
     def __next__(self) -> JaxBatch:
         if self._tel is None:
@@ -198,6 +227,7 @@ class JaxLoader:
         `allow_batch_change=True`, also one saved under another global batch size)."""
         self._halt()
         self._loader.restore(state, allow_batch_change=allow_batch_change)
+        self._loader.settle_end()
         self._state = self._loader.position()
         self._ended = None
 
@@ -217,3 +247,15 @@ class JaxLoader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _process_all_gather() -> Any:
+    """`[ints] -> every process's [ints]` through `jax.distributed` (for a finite plan's end)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    def all_gather(values: list[int]) -> list[list[int]]:
+        got = multihost_utils.process_allgather(np.asarray(values, np.int32))
+        return np.asarray(got).reshape(-1, len(values)).tolist()
+
+    return all_gather

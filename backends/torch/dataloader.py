@@ -77,9 +77,11 @@ class ZephonDataLoader(DataLoader):
     """A `DataLoader` over a `ZephonIterableDataset` with StatefulDataLoader-style state.
 
     `state_dict()` describes the batches handed to the training loop, not those workers have
-    prefetched; `load_state_dict()` makes the next `iter()` continue from there. Iterating again
-    continues where the last iteration stopped: a Zephon plan spans all epochs (use
-    `.repeat(epochs)`; each epoch is reshuffled), so the loader is a cursor over global steps.
+    prefetched; `load_state_dict()` makes the next `iter()` continue from there. Over a finite
+    plan every `iter()` is an epoch, as in torch: after the first, each starts the next pass —
+    in the order `repeat()` gives it (reshuffled) — unless `set_epoch(e)` or `load_state_dict`
+    chose where it starts; the state records the epoch. A plan that repeats forever spans all
+    epochs itself, and iterating again continues where the last iteration stopped.
 
     With `num_workers=W > 0`, a one-to-one pipeline is split by step (worker w computes steps
     `start+w, start+w+W, ...`); a count-changing one (filter, flat map, packing) by lanes: worker
@@ -120,6 +122,7 @@ class ZephonDataLoader(DataLoader):
         self._consumed = 0  # batches handed out by the newest iteration (one-to-one, or in-process)
         self._position: dict[str, Any] | None = None  # after the last joined batch (parts)
         self._generation = 0
+        self._fresh = True  # the next iter() starts at the dataset's start, not the next epoch
         n = dataset.plan.num_steps
         self._tel = telemetry_recorder(telemetry if dataset.telemetry else False,
                                        None if n is None else max(0, n - dataset.start_step))
@@ -132,13 +135,15 @@ class ZephonDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:  # type: ignore[override]
         ds: ZephonIterableDataset = self.dataset  # type: ignore[assignment]
-        if self._consumed or self._position is not None:
+        if not self._fresh and ds.finite:
+            ds.start_epoch(ds.epoch + 1)
+        elif self._consumed or self._position is not None:
             ds.continue_from(self._current())
-            self._consumed, self._position = 0, None
-        if ds.one_to_one and ds.plan.num_steps is not None and len(ds) == 0:
-            log.warning("ZephonDataLoader is at the end of its plan (%d global batches): nothing "
-                        "is left to yield. Build the plan with .repeat(epochs) to train longer, or "
-                        "load_state_dict() an earlier state to replay.", ds.plan.num_steps)
+        self._consumed, self._position = 0, None
+        self._fresh = False
+        if self._joins_parts:
+            ds.settle(workers=True)  # the workers are told where the plan ends
+        self._IterableDataset_len_called = None  # a len() of the last epoch is not this one's
         self._generation += 1
         if self._joins_parts:
             return self._joined(super().__iter__(), self._generation, ds.start_step)
@@ -206,7 +211,8 @@ class ZephonDataLoader(DataLoader):
             shift = group[0].position.get("lane_shift")  # a run resumed at another batch size
             self._position = {"step": step + 1,
                               "lanes": {k: v for p in group for k, v in p.position["lanes"].items()},
-                              **({"lane_shift": shift} if shift else {})}
+                              **({"lane_shift": shift} if shift else {}),
+                              **({"epoch": group[0].position["epoch"]} if "epoch" in group[0].position else {})}
             step += 1
             yield batch
 
@@ -222,6 +228,14 @@ class ZephonDataLoader(DataLoader):
         self.dataset.restore(state, allow_batch_change=allow_batch_change)  # type: ignore[attr-defined]
         self._consumed, self._position = 0, None
         self._generation += 1
+        self._fresh = True
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next `iter()` starts pass `epoch` over the finite plan (torch's convention)."""
+        self.dataset.start_epoch(epoch)  # type: ignore[attr-defined]
+        self._consumed, self._position = 0, None
+        self._generation += 1
+        self._fresh = True
 
 
 def _fork_unsafe(sources: Any) -> bool:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from zephon.backends.torch.batch import Emitter
-from zephon.backends.torch.placement import MeshDims, data_parallel, mesh_data_parallel, to_dtensors
+from zephon.backends.torch.placement import MeshDims, all_gather_fn, data_parallel, mesh_data_parallel, to_dtensors
 from zephon.backends.torch.state import state_document
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader, LocalBatch
@@ -39,6 +39,11 @@ class TorchLoader:
     `telemetry` (True by default, False, or a `zephon.Telemetry(...)`) backs `stats()`: the
     caller's wait in `next()` (stall %), the loader's stages and the emit stage (tensors, casts,
     pinning, device transfer).
+
+    A finite plan ends at the same step on every rank (ranks agree through `torch.distributed`
+    when its pipeline changes the number of records), `len()` is the steps left, and every
+    `iter()` after the first starts the next epoch — the order `repeat()` gives its next pass —
+    unless `set_epoch(e)` or `load_state_dict` chose where the next one starts.
     """
 
     def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Operator] = (), *,
@@ -57,6 +62,7 @@ class TorchLoader:
             rank, world = mesh_data_parallel(mesh, mesh_dims)
         else:
             rank, world = data_parallel(rank, world, group)
+        loader_options.setdefault("all_gather", all_gather_fn(group))
         n = plan.num_steps
         self._tel = telemetry_recorder(loader_options.pop("telemetry", True),
                                        None if n is None else max(0, n - start_step))
@@ -65,6 +71,8 @@ class TorchLoader:
                              **loader_options)
         if self._tel is not None and self.loader.telemetry is not None:
             self._tel.include(self.loader.telemetry)
+        self.loader.settle_end()
+        self._fresh = True  # the next iter() continues here instead of starting the next epoch
         self.emitter = Emitter.make(dtypes, pin_memory, device)
         self._mesh, self._mesh_dims = mesh, mesh_dims
         self._provenance: LocalBatch | None = None
@@ -82,10 +90,28 @@ class TorchLoader:
         """The next global batch this loader yields."""
         return self.loader.step
 
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    def __len__(self) -> int:
+        """Global batches left in this epoch of a finite plan (TypeError if it repeats forever)."""
+        return len(self.loader)
+
     def __iter__(self) -> TorchLoader:
+        if not self._fresh and self.loader.finite:
+            self.set_epoch(self.loader.epoch + 1)
+        self._fresh = False
         return self
 
+    def set_epoch(self, epoch: int) -> None:
+        """The next `iter()` starts pass `epoch` over the finite plan (torch's convention)."""
+        self.loader.set_epoch(epoch)
+        self.loader.settle_end()
+        self._fresh = True
+
     def __next__(self) -> dict[str, Any]:
+        self._fresh = False
         if self._tel is None:
             return self._next_tensors()
         return self._tel.step(self._next_tensors)
@@ -127,6 +153,8 @@ class TorchLoader:
         `allow_batch_change=True` accepts a state saved under another global batch size: every
         lane continues where it stopped (see `zephon.Loader.restore`)."""
         self.loader.restore(state, allow_batch_change=allow_batch_change)
+        self.loader.settle_end()
+        self._fresh = True
 
     def close(self) -> None:
         self.loader.close()

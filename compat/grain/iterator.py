@@ -51,6 +51,10 @@ class Iterator(grain.DatasetIterator):
     save and restore it like any Grain iterator. The state is Zephon's one JSON state document
     (plan fingerprint, step, lane cursors) that every emitter reads and writes; unbatched
     iteration adds `elements_taken`, the offset inside a step.
+
+    Over a finite plan, `set_epoch(e)` goes to the start of pass `e` — the order `repeat()` gives
+    it — and the state records the epoch. `iter()` of the iterator is the iterator itself, as
+    Grain's are (Grain's own steps call it on every batch), so an epoch loop calls `set_epoch`.
     """
 
     def __init__(self, loader: Loader, *, batched: bool = True) -> None:
@@ -64,6 +68,12 @@ class Iterator(grain.DatasetIterator):
         self._rows: list[Any] = []
         self._taken = 0
         self._before: dict[str, Any] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Goes to the start of pass `epoch` over the finite plan."""
+        self.loader.set_epoch(epoch)
+        self.loader.settle_end()
+        self._rows, self._taken = [], 0
 
     @staticmethod
     def emit(batch: LocalBatch, *, batched: bool) -> Any:

@@ -69,6 +69,9 @@ class WindowTask:
     starts: tuple[np.ndarray, ...]
     size: int
     first: int = 0
+    #: per branch, the inputs each owned lane has (None: infinite); see `Lanes.lane_limits`
+    limits: tuple[np.ndarray | None, ...] = ()
+    epoch: int = 0
 
     def span(self, w: int) -> tuple[int, int]:
         """(offset, length) of window w in every lane: lengths double from `first` up to
@@ -88,7 +91,7 @@ class WindowTask:
         offset, size = self.span(w)
         lo = self.starts[branch] + offset
         count = np.full(n, size, np.int64)
-        limit = self.lanes.branch_length(branch)
+        limit = self.limits[branch] if self.limits else self.lanes.branch_length(branch)
         if limit is not None:
             count = np.clip(limit - lo, 0, size)
         ended = count < size
@@ -96,7 +99,7 @@ class WindowTask:
         index = lo[lane_rank] + (np.arange(count.sum(), dtype=np.int64)
                                  - np.repeat(np.cumsum(count) - count, count))
         try:
-            refs = self.lanes.resolve_lanes(self.owned[lane_rank], index, branch)
+            refs = self.lanes.resolve_lanes(self.owned[lane_rank], index, branch, self.epoch)
             t0 = t1 = time.perf_counter()
             nbytes = 0
             if len(refs):
@@ -147,7 +150,6 @@ def concat_cols(parts: Sequence[Columns]) -> Columns:
     return out
 
 
-
 def rematerialize(task: WindowTask, states: Sequence[Any]
                   ) -> list[tuple[Columns, list[Provenance]]]:
     """Re-reads and re-processes the inputs each lane's accumulator holds (after a restore).
@@ -161,7 +163,7 @@ def rematerialize(task: WindowTask, states: Sequence[Any]
             continue
         lane = np.array([task.owned[k] for k, _, _ in want], np.int64)
         index = np.array([h[1] for _, _, h in want], np.int64)
-        refs = task.lanes.resolve_lanes(lane, index, b)
+        refs = task.lanes.resolve_lanes(lane, index, b, task.epoch)
         cols, src = run_transforms(task.rows, read_refs(task.sources, refs), refs, task.seed)
         sub = sub_index(src)
         for j, (k, _, h) in enumerate(want):
