@@ -43,8 +43,11 @@ verify: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/zephon bench
-	cd benchmarks && ../$(VENV)/bin/python pack.py && ../$(VENV)/bin/python pretokens.py
-	cd benchmarks && ../$(VENV)/bin/python startup.py
+	cd benchmarks && ../$(VENV)/bin/python pack.py && ../$(VENV)/bin/python pretokens.py && ../$(VENV)/bin/python batch_resume.py && ../$(VENV)/bin/python tokenize_real.py
+	cd benchmarks && ../$(VENV)/bin/python finite_end.py
+	cd benchmarks && ../$(VENV)/bin/python startup.py && ../$(VENV)/bin/python telemetry.py
+	cd benchmarks && ../$(VENV)/bin/python sft.py
+	cd benchmarks && ../$(VENV)/bin/python storage.py
 
 .PHONY: experiment
 # Elastic training: a tiny LM trained at D = 1, 2, 4, 8 ranks with three loaders (~13 min on 2 cores);
@@ -53,11 +56,15 @@ experiment: $(STAMP)
 	$(PY) benchmarks/elastic_training.py
 
 .PHONY: soak
-# Soak (a few minutes): packed LM pipeline for several epochs on processes(2) with worker SIGKILLs and
-# stop/resume across D; exact tokens, stream = uninterrupted one, RSS/FDs/shm sampled;
-# writes benchmarks/results/soak.{json,png}
+# Soak: (1) packed LM pipeline for several epochs on processes(2) with worker SIGKILLs and
+# stop/resume across D (a few minutes); exact tokens, stream = uninterrupted one, RSS/FDs/shm sampled;
+# writes benchmarks/results/soak.{json,png}. (2) the same pipeline uninterrupted for DURATION seconds
+# (default 600): slopes of fds, memfds, memfd mappings and RSS after warm-up, exit 1 if one still
+# rises; writes benchmarks/results/soak_steady.{json,png}. `make soak DURATION=120` for a short one.
+DURATION ?= 600
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py
+	$(PY) benchmarks/soak_steady.py --duration $(DURATION)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,7 +10,8 @@ What it does, all on CPU:
    prose — and a byte-level BPE trained on them in-process (no hub). Zephon mixes them 60/40
    *by tokens* inside every lane, tokenizes each document in the DataLoader workers (`Tokenize`,
    EOS appended) and packs them into rows of `--seq-len` tokens (`Pack(..., "concat")`: no
-   padding, no token lost).
+   padding, no token lost). The batch size warms up by tokens: half of `--batch` rows a step for
+   the first two steps' tokens, then `--batch` (`batch(schedule=..., by="tokens")`, part of the plan).
 2. Run A: DDP over 2 local gloo processes. Every rank iterates a `ZephonDataLoader` with
    `--workers` DataLoader workers (a packing pipeline: each worker runs a block of the rank's
    lanes) and gets only its rows of each global batch. `batch.micro_batches(n)` cuts the local
@@ -22,6 +23,12 @@ What it does, all on CPU:
    rank's state merged with `zephon.merge_states`) in one `torch.save` file.
 3. Run B: a single process loads that checkpoint, builds the same loader (world size 1, the same
    workers) with `load_state_dict`, and trains the remaining steps.
+
+4. Evaluation: at the end, A's 2 ranks and B's single process score a held-out set
+   (`lm_data.eval_pipeline`): a finite plan read whole, packed, its last steps padded
+   (`remainder="pad"`; the ranks agree on its end through `torch.distributed`), each rank its own
+   rows, padding rows (`valid` False) skipped, every held-out token scored exactly once; the
+   ranks' token losses are gathered and summed exactly. Same model, same loss at 2 ranks or 1.
 
 B's loss curve continues A's bit for bit: the loader hands B the identical global batches (B
 sees all rows that the two ranks saw together), and B reduces the gradient the way the two DDP
@@ -41,6 +48,7 @@ import datetime
 import functools
 import gc
 import json
+import math
 import os
 import socket
 import sys
@@ -53,7 +61,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from lm_data import add_data_args, lm_pipeline, write_data  # examples/lm_data.py
+from lm_data import add_data_args, describe_batches, eval_pipeline, lm_pipeline, row_losses, write_data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zephon as z
@@ -66,8 +74,22 @@ def make_loader(out: Path, args: argparse.Namespace) -> ZephonDataLoader:
     dataset = ZephonIterableDataset(
         **lm_pipeline(out, args),
         dtypes={"tokens": torch.int64, "targets": torch.int64, "segment_ids": torch.int64,
-                "positions": torch.int64, "loss_mask": torch.float32})
+                "positions": torch.int64, "loss_mask": torch.float32},
+        micro_batches=args.micro_batches)  # must split this rank's rows at every size of the ramp
     return ZephonDataLoader(dataset, num_workers=args.workers)
+
+
+def held_out_losses(model: nn.Module, args: argparse.Namespace) -> list[float]:
+    """This rank's token losses on the held-out set (its rows of every padded global batch)."""
+    loader = ZephonDataLoader(ZephonIterableDataset(**eval_pipeline(args.out, args)))
+
+    def row_loss(r: dict) -> torch.Tensor:
+        t = {k: torch.from_numpy(v).long() for k, v in r.items() if k != "valid"}
+        logits = model(t["tokens"], t["segment_ids"], t["positions"])
+        return F.cross_entropy(logits.flatten(0, 1), t["targets"].flatten(), reduction="none")
+
+    with torch.no_grad():
+        return [x for batch in loader for x in row_losses({k: v.numpy() for k, v in batch.items()}, row_loss)]
 
 
 # --- model --------------------------------------------------------------------------------------
@@ -129,8 +151,9 @@ def ddp_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         model, opt = build(args)
         net = DDP(model)
         loader = make_loader(args.out, args)  # rank/world from torch.distributed: this rank's rows only
-        losses = []
+        losses, sizes = [], []
         for step, batch in zip(range(args.steps), loader):  # range first: zip must not pull an extra batch
+            sizes.append(len(batch["tokens"]) * world)  # the global batch: it grows with the ramp
             tokens = batch["loss_mask"].sum()
             dist.all_reduce(tokens)  # the global batch's loss-token count
             opt.zero_grad()
@@ -150,10 +173,17 @@ def ddp_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                 states = [None] * world
                 dist.all_gather_object(states, loader.state_dict())  # each rank's lanes
                 if rank == 0:
+                    data = z.merge_states(states)
+                    if args.loader_state:  # also beside the model checkpoint, e.g. in a bucket
+                        z.save_state(args.loader_state, data)
                     torch.save({"step": step + 1, "model": model.state_dict(), "optim": opt.state_dict(),
-                                "data": z.merge_states(states)}, args.out / "checkpoint.pt")
+                                "data": data}, args.out / "checkpoint.pt")
+        held = [None] * world
+        dist.all_gather_object(held, held_out_losses(model, args))  # every rank's rows' token losses
         if rank == 0:
-            (args.out / "run_A.json").write_text(json.dumps(losses))
+            (args.out / "run_A.json").write_text(json.dumps({"losses": losses, "sizes": sizes}))
+            scores = [x for part in held for x in part]
+            (args.out / "eval_A.json").write_text(json.dumps([math.fsum(scores) / len(scores), len(scores)]))
         gc.collect()  # DDP's reducer must be gone before its process group is destroyed
         dist.barrier()
     finally:
@@ -169,7 +199,7 @@ def resume(args: argparse.Namespace, ranks_before: int) -> list[float]:
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["optim"])
     loader = make_loader(args.out, args)  # world size 1: the whole global batch
-    loader.load_state_dict(ckpt["data"])
+    loader.load_state_dict(z.load_state(args.loader_state) if args.loader_state else ckpt["data"])
     losses = []
     for _, batch in zip(range(ckpt["step"], args.steps), loader):
         tokens = batch["loss_mask"].sum()
@@ -189,6 +219,8 @@ def resume(args: argparse.Namespace, ranks_before: int) -> list[float]:
             p.grad = functools.reduce(torch.add, [g / len(blocks) for g in gs])
         opt.step()
         losses.append(total.item())
+    scores = held_out_losses(model, args)
+    (args.out / "eval_B.json").write_text(json.dumps([math.fsum(scores) / len(scores), len(scores)]))
     return losses
 
 
@@ -202,6 +234,8 @@ def main() -> None:
     ap.add_argument("--same-reduction", action=argparse.BooleanOptionalAction, default=True,
                     help="run B reduces the gradient as run A's 2 ranks did (bit-for-bit losses)")
     ap.add_argument("--out", type=Path, default=None, help="directory for data, checkpoint and logs")
+    ap.add_argument("--loader-state", default=None, metavar="URL",
+                    help="also save the loader state here (a path, s3:// or gs:// URL) and resume from it")
     args = ap.parse_args()
     args.out = args.out or Path(tempfile.mkdtemp(prefix="zephon-lm-ddp-"))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -213,7 +247,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(ddp_rank, args=(world, args, port), nprocs=world, join=True)
-    a = json.loads((args.out / "run_A.json").read_text())
+    run_a = json.loads((args.out / "run_A.json").read_text())
+    a = run_a["losses"]
     b = resume(args, world)
 
     print(f"{'step':>5} {'A: 2 DDP ranks':>15} {'B: 1 process':>14}")
@@ -224,8 +259,13 @@ def main() -> None:
           f"{args.micro_batches} micro-batches per rank-step)")
     print(f"B (1 process, resumed at step {split} from A's checkpoint) vs A: max |loss diff| = {diff:.3g}"
           f"{'  (bit for bit)' if diff == 0 else ''}")
+    print(f"batch sizes: {describe_batches(lm_pipeline(args.out, args)['plan'], args.seq_len)}; "
+          f"run A's global batches had {run_a['sizes']} rows")
     print(f"{time.perf_counter() - t0:.0f}s; data, checkpoint and logs in {args.out}")
-    if args.same_reduction and diff != 0:
+    eval_a, eval_b = (json.loads((args.out / f"eval_{x}.json").read_text()) for x in "AB")
+    print(f"held-out loss ({eval_a[1]} tokens, each once; padding rows skipped): A (2 ranks) {eval_a[0]:.6f}, "
+          f"B (1 process) {eval_b[0]:.6f}{'  (identical)' if eval_a == eval_b else ''}")
+    if args.same_reduction and (diff != 0 or eval_a != eval_b):
         sys.exit(1)
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import subprocess
 from collections.abc import Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -19,3 +22,31 @@ def deadline(seconds: int) -> Iterator[None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def run_group(cmd: list[str], *, timeout: float, capture_output: bool = False, check: bool = False,
+              **kwargs: Any) -> subprocess.CompletedProcess:
+    """`subprocess.run` in a process group of its own: on timeout the whole group is killed
+    (processes the command forked too), and anything of the group still alive when the command
+    exits is killed as well, so no test leaves a hung grandchild behind."""
+    if capture_output:
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+    proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        proc.communicate()
+        raise
+    finally:
+        _kill_group(proc.pid)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check:
+        result.check_returncode()
+    return result
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

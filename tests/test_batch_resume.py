@@ -204,3 +204,20 @@ def test_micro_batches_must_divide_every_size_checked_up_front():
         Loader(plan(), src, micro_batches=16)
     with pytest.raises(PlanError, match="16-row batches from step 3"):
         Loader(plan(schedule=((0, 32), (3, 16))), src, world=2, micro_batches=16)
+
+
+def test_a_schedule_by_tokens_switches_at_the_tokens_packed_rows_carry():
+    """Packed rows hold `seq_len` tokens each, so the tokens a run has seen before step k are
+    `Σ B(j) · seq_len`: the size changes at the first step whose packed tokens reach the threshold."""
+    p = Source(N).shuffle(3).lanes(8).batch(schedule=((0, 8), (400, 16), (1000, 32)), by="tokens", seq_len=16)
+    got, _ = run(p, doc_source(), [Pack(16)], steps=8)
+    seen, sizes = 0, []
+    for parts in got:
+        tokens = np.concatenate([b.data["tokens"] for b in parts])
+        sizes.append(len(tokens))
+        assert tokens.shape[1] == 16 and (np.concatenate([b.data["segment_ids"] for b in parts]) > 0).all()
+        seen += tokens.size
+    # 8 rows x 16 = 128 tokens a step: 400 are reached before step 4 (512); then 256 a step: 1000
+    # before step 6 (1024)
+    assert sizes == [8, 8, 8, 8, 16, 16, 32, 32] and seen == 4 * 128 + 2 * 256 + 2 * 512
+    assert [p.tokens_before(k, 16) for k in (4, 6)] == [512, 1024]

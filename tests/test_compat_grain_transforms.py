@@ -25,7 +25,7 @@ def test_mix_with_per_dataset_transforms_equals_grain() -> None:
         return mixed.batch(6)
 
     for lanes in (1, 3):
-        assert same_all(pipeline(grain.MapDataset), pipeline(zg.Dataset).lanes(lanes)) == 27
+        assert same_all(pipeline(grain.MapDataset), pipeline(zg.Dataset).lanes(lanes)) == 28
 
 
 def test_map_with_index_sees_grains_index_at_its_depth() -> None:

@@ -1,9 +1,10 @@
 """Import contracts: the core runs on numpy alone, and imports point one way (compat -> backends -> core)."""
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
+
+from _helpers import run_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +33,7 @@ print("ok")
 
 
 def test_core_and_numpy_loader_work_without_jax_torch_grain():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    out = run_group([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 

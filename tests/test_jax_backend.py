@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import _jax_mp_worker as mp_worker  # tests/ is on sys.path (rootdir conftest, n
 import jax
 import numpy as np
 import pytest
+from _helpers import run_group
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -259,14 +262,14 @@ def test_two_processes_equal_single_process(tmp_path: Path):
                 procs.append(subprocess.Popen(
                     [sys.executable, str(worker), "--process-id", str(i), "--port", str(port),
                      "--steps", str(steps), "--out", str(outs[i])],
-                    env=env, stdout=log, stderr=subprocess.STDOUT))
+                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         for p, log in zip(procs, logs):
             assert p.wait(timeout=120) == 0, log.read_text(errors="replace")[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        for p in procs:  # each in its own process group: end the group, forked children too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     results = [json.loads(o.read_text()) for o in outs]
     assert [(r["rank"], r["world"], r["local_devices"], r["global_devices"]) for r in results] == \
         [(0, 2, 4, 8), (1, 2, 4, 8)]
@@ -285,7 +288,7 @@ def test_training_example_runs_with_prefetch_and_equal_loss_curves():
     """
     script = Path(__file__).resolve().parent.parent / "examples" / "jax_train.py"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([sys.executable, str(script), "--steps", "100"], env=env, timeout=180,
+    done = run_group([sys.executable, str(script), "--steps", "100"], env=env, timeout=180,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "max |loss(8,) - loss(2,4)| over 100 steps: 0\n" in done.stdout

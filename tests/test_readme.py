@@ -18,11 +18,11 @@ skipped, saying so, while no pytest plugin of Zephon is registered (it comes wit
 import importlib.metadata
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_group
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
@@ -80,6 +80,6 @@ def test_readme_block_runs(page, line, code, tmp_path):
         script = tmp_path / "block.py"
         cmd = [sys.executable, str(script)]
     script.write_text(code)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_group(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (f"{page}:{line} failed ({proc.returncode}):\n{code}\n--- stdout\n"
                                   f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}")

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 import pytest
-from _helpers import deadline  # tests/ is on sys.path under pytest's rootdir conftest
+from _helpers import deadline, run_group  # tests/ is on sys.path under pytest's rootdir conftest
 
 from zephon.checkpoint import STATE_VERSION, load_state, save_state
 from zephon.errors import DecodeError, PlanError, SourceError, StateError
@@ -444,7 +444,7 @@ def test_parquet_truncated_under_its_reader_is_an_error_never_sigbus(tmp_path):
     for mode in ("mmap", "zephon"):
         path = tmp_path / f"{mode}.parquet"
         write_parquet(path, parquet_data(), row_group_size=100)
-        proc = subprocess.run([sys.executable, "-c", TRUNCATED_UNDER_READER, str(path), mode],
+        proc = run_group([sys.executable, "-c", TRUNCATED_UNDER_READER, str(path), mode],
                               capture_output=True, text=True, timeout=60, cwd=ROOT)
         codes[mode] = proc.returncode
         if mode == "zephon":

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from _helpers import deadline  # tests/ is on sys.path under pytest's rootdir conftest
 
-from zephon import Loader, Map, RandomMap, Source, WorkerError
+from zephon import Loader, Map, PlanError, RandomMap, Source, WorkerError
 from zephon.exec.steps import steps_refs
 from zephon.runners import Inline, Processes, Threads, from_spec, inline, processes, threads
 from zephon.sources import ArrayRecordSource, ArraySource, FixedFields, write_sharded_array_record
@@ -254,11 +254,10 @@ def test_close_and_garbage_collection_leave_no_process_or_segment():
 
 def test_unpicklable_step_function_is_a_clear_error():
     src = ArraySource({"x": np.arange(N)})
-    loader = Loader(plan(), src, [Map(lambda r: r)], runner=processes(1))
-    next(loader)  # the first step runs in the caller's thread
-    with pytest.raises(WorkerError, match="cannot be pickled.*threads()"):
-        next(loader)
-    loader.close()
+    runner = processes(1)
+    with pytest.raises(PlanError, match="cannot be pickled.*threads()"):  # when built (issue 23)
+        Loader(plan(), src, [Map(lambda r: r)], runner=runner)
+    runner.close()
 
 
 def test_runner_arguments_are_validated():

@@ -8,12 +8,12 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from _helpers import run_group
 
 from zephon.errors import DecodeError, SourceError
 from zephon.sources import (
@@ -165,22 +165,32 @@ idx = np.array([int(i) for i in sys.argv[2].split(",")])
 src.read(idx)  # the parent's readers are open when it forks
 pid = os.fork()
 if pid == 0:
-    print(src.read(idx)["label"].tolist(), flush=True)
-    os._exit(0)
+    from zephon.errors import SourceError
+    try:
+        src.read(idx)
+    except SourceError as e:
+        print(e, flush=True)
+        os._exit(0)
+    os._exit(1)
 _, status = os.waitpid(pid, 0)
+print(src.read(idx)["label"].tolist(), flush=True)  # the parent reads on
 sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-def test_forked_child_reads_with_its_own_readers(tmp_path):
+def test_forked_child_refuses_to_read_and_says_how_to_start_workers(tmp_path):
+    # A child forked after the parent opened readers could block forever in the C++ reader
+    # (issue 23, item 12); it refuses with a SourceError pointing to forkserver/spawn.
     # A fresh interpreter: forking the pytest process is unsafe once other tests imported jax.
     path = tmp_path / "f.array_record"
     write_array_record(path, [np.int64(7 * i).tobytes() for i in range(40)])
     idx = shuffled_with_repeats(40)
-    child = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(path), ",".join(map(str, idx))],
+    child = run_group([sys.executable, "-c", FORK_SCRIPT, str(path), ",".join(map(str, idx))],
                            capture_output=True, text=True, timeout=60)
     assert child.returncode == 0, child.stderr
-    assert child.stdout.strip() == str((7 * idx).tolist())
+    refusal, parent = child.stdout.strip().splitlines()
+    assert "forked (os.fork) from one that had opened ArrayRecord readers" in refusal
+    assert "forkserver" in refusal and parent == str((7 * idx).tolist())
 
 
 def test_missing_files_and_shards_name_what_was_expected(tmp_path):
@@ -372,8 +382,8 @@ def test_jsonl_round_trip_across_files(tmp_path):
     assert got["text"].tolist() == [f"t{i}" for i in idx]
     assert got["toks"].dtype == object and got["toks"].tolist() == [list(range(i % 4)) for i in idx]
     assert_columns_equal(pickle.loads(pickle.dumps(src)).read(idx), got)
-    same_length = np.array([1, 5, 9])  # toks all of length 1: stacks unless declared ragged
-    assert src.read(same_length)["toks"].shape == (3, 1)
+    same_length = np.array([1, 5, 9])  # toks all of length 1, but ragged in the inferred lines
+    assert src.read(same_length)["toks"].dtype == object  # so objects in every read (issue 23)
     assert JsonlSource(src.paths, ragged={"toks"}).read(same_length)["toks"].dtype == object
     assert src.read([0, 4])["toks"].dtype == object  # all empty: never a float64 (2, 0) array
 

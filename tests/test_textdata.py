@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+from _helpers import run_group
 
 pytest.importorskip("tokenizers")
 
@@ -76,8 +76,8 @@ def test_corpus_is_pinned(style):
 def test_corpus_is_the_same_in_another_process():
     code = ("import hashlib; from zephon.textdata import generate_corpus; "
             "print(hashlib.sha256('\\0'.join(generate_corpus(300, seed=11)).encode()).hexdigest())")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONHASHSEED": "123"})
+    out = run_group([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                    env={**os.environ, "PYTHONHASHSEED": "123"}, timeout=120)
     assert out.stdout.strip() == _digest(generate_corpus(300, seed=11))
 
 
@@ -117,8 +117,8 @@ def test_train_bpe_is_deterministic_across_processes(prose):
             "t = train_bpe(generate_corpus(3000, seed=7)[:400], vocab_size=1024).to_str(); "
             "print(hashlib.sha256(t.encode()).hexdigest())")
     for threads in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                             text=True, env={**os.environ, "RAYON_NUM_THREADS": threads})
+        out = run_group([sys.executable, "-c", code], check=True, capture_output=True,
+                        text=True, env={**os.environ, "RAYON_NUM_THREADS": threads}, timeout=120)
         assert out.stdout.strip() == hashlib.sha256(here.encode()).hexdigest()
 
 

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_group
 
 import zephon as z
 from zephon.cli import main
@@ -32,7 +33,7 @@ QUICK = ["--backends", "numpy,grain", "--degrees", "1,2,4", "--runners", "thread
 def zephon_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("zephon")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "zephon.cli"]
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run_group(cmd + list(args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 @pytest.mark.parametrize("argv, needles", [

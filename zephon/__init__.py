@@ -9,7 +9,7 @@ import that finds the other one installed says so once.
 """
 
 from zephon._distribution import warn_if_shadowed
-from zephon.checkpoint import load_state, save_state
+from zephon.checkpoint import load_state, resign_state, save_state
 from zephon.errors import DecodeError, PlanError, SourceError, StateError, WorkerError, ZephonError
 from zephon.exec.loader import Loader, LocalBatch, merge_states
 from zephon.exec.state import LaneState
@@ -17,12 +17,14 @@ from zephon.ops.base import Accumulator, Operator, Step, Transform
 from zephon.ops.filter import Filter, FlatMap
 from zephon.ops.map import Map, RandomMap
 from zephon.plan import Batch, Lanes, Mix, Node, Plan, Refs, Repeat, Shuffle, Skip, Slice, Source, Take
+from zephon.telemetry import Stats, Telemetry
 
 __all__ = [
     "Accumulator", "Batch", "DecodeError", "Filter", "FlatMap", "LaneState", "Lanes", "Loader",
     "LocalBatch", "Map", "Mix", "Node", "Operator", "Plan", "PlanError", "RandomMap", "Refs",
-    "Repeat", "Shuffle", "Skip", "Slice", "Source", "SourceError", "StateError", "Step", "Take",
-    "Transform", "WorkerError", "ZephonError", "load_state", "merge_states", "save_state",
+    "Repeat", "Shuffle", "Skip", "Slice", "Source", "SourceError", "StateError", "Stats", "Step", "Take",
+    "Telemetry", "Transform", "WorkerError", "ZephonError", "load_state", "merge_states", "resign_state",
+    "save_state",
 ]
 __version__ = "0.3.0"
 

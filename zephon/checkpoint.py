@@ -8,12 +8,15 @@ the same target removes temp files of that target whose writer is gone.
 
 `load_state` reads JSON only: nothing is ever unpickled (unpickling a file can run arbitrary code).
 A pickle, a zip (torch.save), a file that is not UTF-8 text, or a state from a newer Zephon gets a
-`StateError` that says what the file is and what to do.
+`StateError` that says what the file is and what to do. Every file carries a SHA-256 checksum of
+its canonical JSON, verified on load: a flipped bit or an edit is refused, never resumed from;
+`resign_state` (`zephon state resign FILE`) re-signs a file edited on purpose.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import secrets
@@ -26,9 +29,14 @@ from typing import Any
 from zephon._distribution import version as installed_version
 from zephon.errors import StateError
 from zephon.jsondoc import json_object
+from zephon.storage.url import is_remote, local_path
 
 #: The newest state format this Zephon reads and writes (`"zephon_state"` in every state).
-STATE_VERSION = 2
+#: 3: a state file carries `"checksum"` (format 2 had none; `zephon state resign` upgrades one).
+STATE_VERSION = 3
+#: The first state format whose files must carry a checksum.
+_SIGNED_FROM = 3
+_CHECKSUM = "checksum"
 
 _TMP_MARK = ".zephon-tmp-"
 #: A temp file of another host cannot be checked for a live writer; it is stale after this long.
@@ -100,19 +108,51 @@ def _fsync_dir(d: str) -> None:
         os.close(fd)
 
 
+def state_checksum(state: Mapping[str, Any]) -> str:
+    """SHA-256 of the state's canonical JSON (sorted keys, no spaces, ASCII), its `"checksum"`
+    left out: what `save_state` writes and `load_state` verifies. Canonical, so re-indenting a
+    file keeps it valid while changing any value, key or number does not."""
+    doc = {k: v for k, v in state.items() if k != _CHECKSUM}
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def resign_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Re-signs a state file after a deliberate hand edit (`zephon state resign FILE`): reads it
+    without verifying its checksum, writes it back atomically with a fresh one, and returns it. A
+    format-2 state (from before checksums) becomes format 3. Only for files you edited and checked
+    yourself: this makes Zephon trust whatever the file says."""
+    state = _read_state(path)
+    version = state.get("zephon_state")
+    check_state_version(state, f"loader state {os.fspath(path)}")
+    if version == 2:
+        state["zephon_state"] = STATE_VERSION
+    save_state(path, state)
+    return state
+
+
 def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
-    """Writes `state` as JSON atomically (temp file, fsync, rename, fsync of the directory).
+    """Writes `state` as JSON atomically (temp file, fsync, rename, fsync of the directory), with
+    a `"checksum"` over its canonical form that `load_state` verifies.
 
     The target is never torn: a reader sees the old state or the new one. Temp files of earlier
-    saves to the same target that were interrupted are removed.
+    saves to the same target that were interrupted are removed. An `s3://` or `gs://` URL is
+    written with one PUT, which the store makes visible only once complete (all or nothing).
     """
-    path = os.path.abspath(os.fspath(path))
+    name = local_path(path)
+    path = name if is_remote(name) else os.path.abspath(name)
     try:
-        text = json.dumps(state, sort_keys=True)
-    except (TypeError, ValueError) as e:
+        signed = {**state, _CHECKSUM: state_checksum(state)}
+        text = json.dumps(signed, sort_keys=True)
+    except (TypeError, ValueError, RecursionError) as e:
         raise StateError(f"cannot save the state to {path}: it is not JSON ({e}). Save the dict "
                          "that Loader.state() returned, unchanged; add your own values to "
                          "another file.") from e
+    if is_remote(path):
+        from zephon.storage import put_atomic
+
+        put_atomic(path, text.encode())
+        return
     d = os.path.dirname(path)
     if not os.path.isdir(d):
         raise StateError(f"cannot save the state to {path}: the directory {d} does not exist; "
@@ -182,12 +222,44 @@ def check_state_version(state: Mapping[str, Any], where: str = "the state") -> N
                          f"Upgrade Zephon{to} (pip install -U zephon-loader) to resume from it.")
 
 
+def _read(name: str) -> bytes:
+    if is_remote(name):
+        from zephon.storage import read_object
+
+        return read_object(name)  # a missing object raises ObjectMissingError, a FileNotFoundError
+    with open(name, "rb") as f:
+        return f.read()
+
+
 def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Reads a state written by `save_state` (JSON only; nothing is unpickled)."""
-    name = os.fspath(path)
+    """Reads a state written by `save_state` (JSON only; nothing is unpickled) and verifies its
+    checksum, so a flipped bit or a hand edit cannot resume another stream; returns the state
+    without the checksum. After a deliberate edit, `zephon state resign FILE` re-signs it."""
+    name = local_path(path)
+    state = _read_state(path)
+    check_state_version(state, f"loader state {name}")
+    saved = state.pop(_CHECKSUM, None)
+    version = state.get("zephon_state")
+    if saved is None and isinstance(version, int) and version >= _SIGNED_FROM:
+        raise StateError(f"loader state {name} has no 'checksum' (format {version} files always carry "
+                         "one): the file was edited or is corrupt. Restore an earlier checkpoint; if "
+                         f"you edited it on purpose, re-sign it with `zephon state resign {name}`.")
+    if saved is not None:
+        actual = state_checksum(state)
+        if saved != actual:
+            raise StateError(f"loader state {name} fails its checksum ({saved!r} saved, {actual} "
+                             "computed): the file changed after save_state wrote it (a flipped bit, "
+                             "a partial copy or a hand edit) and could resume another stream. Restore "
+                             "an earlier checkpoint; if you edited it on purpose, re-sign it with "
+                             f"`zephon state resign {name}`.")
+    return state
+
+
+def _read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON object in the file `path`, or a StateError saying what the file is instead."""
+    name = local_path(path)
     try:
-        with open(name, "rb") as f:
-            data = f.read()
+        data = _read(name)
     except FileNotFoundError:
         raise StateError(f"no loader state at {name}; check the checkpoint directory") from None
     except IsADirectoryError:
@@ -214,5 +286,4 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
                              "restore an earlier checkpoint."),
         lambda kind: StateError(f"loader state {name} holds a JSON {kind}, not an object; pass "
                                 "the file save_state(path, loader.state()) wrote."))
-    check_state_version(state, f"loader state {name}")
     return state

@@ -32,11 +32,15 @@ from zephon.errors import PlanError
 from zephon.jsondoc import json_object
 from zephon.permute import permute
 
-__all__ = ["Batch", "Lanes", "Mapping", "Mix", "Node", "PassThrough", "Plan", "Refs", "Repeat",
+__all__ = ["MAX_POSITION", "Batch", "Lanes", "Mapping", "Mix", "Node", "PassThrough", "Plan", "Refs", "Repeat",
            "Shuffle", "Skip", "Slice", "Source", "Take", "check_degree", "plan_diff"]
 
 Mapping = Literal["contiguous", "interleaved"]
 _FOREVER_EPOCH_STRIDE = 1 << 32  # epochs of an outer pass around a forever-repeat never collide
+#: Every stream position, lane input, step × batch size and checkpoint cursor stays below this.
+#: Positions are int64 (`index × lanes + lane`, `step × size`): past 2**63 they would wrap round
+#: to the first steps' data without a word, so they are refused where they enter instead.
+MAX_POSITION = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -79,9 +83,15 @@ class Refs:
 
 
 def _positions(pos: np.ndarray | Sequence[int] | int) -> np.ndarray:
-    p = np.atleast_1d(np.asarray(pos, dtype=np.int64))
+    try:
+        p = np.atleast_1d(np.asarray(pos, dtype=np.int64))
+    except OverflowError:
+        raise PlanError(f"positions must be below 2**62 (MAX_POSITION), got {pos!r}") from None
     if p.size and p.min() < 0:
         raise PlanError(f"positions must be non-negative, got {int(p.min())}")
+    if p.size and p.max() >= MAX_POSITION:
+        raise PlanError(f"position {int(p.max())} is beyond 2**62 (MAX_POSITION), the most a plan "
+                        "addresses (int64 arithmetic on it would wrap round to step 0's data).")
     return p
 
 
@@ -118,13 +128,14 @@ class Node:
     def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
         raise NotImplementedError(f"{type(self).__name__} must define _resolve(pos, epoch) -> Refs")
 
-    def resolve(self, positions: np.ndarray | Sequence[int] | int) -> Refs:
-        """The record references at `positions` (vectorised)."""
+    def resolve(self, positions: np.ndarray | Sequence[int] | int, epoch: int = 0) -> Refs:
+        """The record references at `positions` (vectorised) in pass `epoch` over the stream:
+        epoch e of a finite stream is what `repeat()` makes its e-th pass (shuffles re-keyed)."""
         pos = _positions(positions)
         n = self.length
         if n is not None and pos.size and pos.max() >= n:
             raise PlanError(f"position {int(pos.max())} is past the end of a stream of {n}")
-        return self._resolve(pos, np.zeros_like(pos))
+        return self._resolve(pos, np.full_like(pos, epoch))
 
     # --- fluent builder ----------------------------------------------------------------------
     def shuffle(self, seed: int) -> Shuffle:
@@ -149,13 +160,14 @@ class Node:
 
     @staticmethod
     def mix(children: Sequence[Node], weights: Sequence[float] | None = None,
-            by: Literal["samples", "tokens"] = "samples", count_field: str = "tokens",
-            schedule: Sequence[tuple[int, Sequence[float]]] = ()) -> Mix:
+            by: Literal["samples", "tokens", "trained_tokens"] = "samples", count_field: str = "tokens",
+            schedule: Sequence[tuple[int, Sequence[float]]] = (), mask_field: str = "loss_mask",
+            stop: Literal["first", "all"] = "first") -> Mix:
         from zephon.mixing import Mix  # imported here: mixing builds on this module
 
         children = tuple(children)
         return Mix(children, weights if weights is not None else (1.0,) * len(children), by, count_field,
-                   schedule)
+                   schedule, mask_field, stop)
 
     # --- serialisation -----------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:

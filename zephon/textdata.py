@@ -55,7 +55,7 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 4096, *,
-              special_tokens: Sequence[str] = SPECIAL_TOKENS) -> tokenizers.Tokenizer:
+              special_tokens: Sequence[str] = SPECIAL_TOKENS, regex: str | None = None) -> tokenizers.Tokenizer:
     """A byte-level BPE trained in-process (no hub here), deterministic for the same input.
 
     Special tokens get the first ids in the order given: with the default, `<pad>` = 0
@@ -63,15 +63,21 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 4096, *,
     `encode` returns the text's tokens only; adding BOS/EOS is the pipeline's choice. Byte-level
     means every string encodes (no unknown token) and `decode(encode(s).ids) == s`.
 
+    `regex`: GPT-2's structure (`ByteLevel(use_regex=True)`) when None; else the structure of
+    cl100k, o200k, Llama 3 and Qwen2, `Sequence[Split(regex, "isolated"), ByteLevel(use_regex=False)]`
+    (their regexes: `zephon.ops.pretoken_regex.REGEXES`).
+
     Determinism: the trainer has no randomness, but it assigns ids to symbols it meets while
     iterating a hash map; seeding the alphabet with all 256 byte symbols up front (sorted, as the
     trainer does) leaves nothing to assign that way, so ids and merge tie-breaks are the same in
     every process (tested across processes with different hash seeds).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if regex is None else (
+        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), "isolated"),
+                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

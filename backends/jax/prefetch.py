@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zephon.backends.jax.batch import Emitter, HostBatch
 from zephon.errors import WorkerError
-from zephon.exec.loader import Loader
+from zephon.exec.loader import Loader, LocalBatch
 
 
 class _End:
@@ -28,7 +28,8 @@ class _Failure:
     error: BaseException
 
 
-Item = tuple[HostBatch, dict[str, Any]] | _End | _Failure
+#: a host batch, the loader's position after it, and its provenance (the batch without data)
+Item = tuple[HostBatch, dict[str, Any], LocalBatch] | _End | _Failure
 
 
 class _Prefetcher:
@@ -96,6 +97,6 @@ def _produce(loader: Loader, emit: Emitter, out: queue.Queue[Item], stop: thread
             except StopIteration:
                 put(_End())
                 return
-            put((emit.host(batch), loader.position()))
+            put((emit.host(batch), loader.position(), replace(batch, data={})))
     except BaseException as e:
         put(_Failure(e))

@@ -10,6 +10,7 @@ batch for every degree `D` dividing the lane count. `to_dtensors` wraps a rank's
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,8 @@ MeshDims = str | int | Sequence[str | int] | None
 
 def data_parallel(rank: int | None = None, world: int | None = None,
                   group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """(rank, world) given, else from `torch.distributed` (in `group`), else (0, 1).
+    """(rank, world) given, else from `torch.distributed` (in `group`), else (0, 1) — refused
+    under torchrun's environment (`WORLD_SIZE` > 1) without `init_process_group`.
 
     Pass them explicitly when the data-parallel group is not the default one, e.g. with tensor
     parallelism where several global ranks share one row block.
@@ -44,7 +46,34 @@ def data_parallel(rank: int | None = None, world: int | None = None,
     if group is not None:
         raise PlanError("a process group was given but torch.distributed is not initialised; "
                         "call dist.init_process_group first.")
+    env_world = os.environ.get("WORLD_SIZE", "1")
+    if env_world.strip() not in ("", "1"):  # torchrun's environment: running as 0 of 1 is wrong
+        raise PlanError(f"this process runs under torchrun (RANK={os.environ.get('RANK')!r}, "
+                        f"WORLD_SIZE={env_world!r}) but torch.distributed is not initialised, so it "
+                        "would load rank 0 of 1's rows — every rank the same data. Call "
+                        "dist.init_process_group() before building the loader, or pass rank= and "
+                        "world= explicitly.")
     return 0, 1
+
+
+def all_gather_fn(group: dist.ProcessGroup | None = None) -> Any:
+    """The all-gather ranks agree on a finite plan's end with (`zephon.exec.end`), through
+    `torch.distributed` (in `group`); None when it is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return _TorchGather(group)
+
+
+class _TorchGather:
+    """`[ints] -> every rank's [ints]` with `dist.all_gather_object` (two integers, once an epoch)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def __call__(self, values: list[int]) -> list[list[int]]:
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, list(values), group=self.group)
+        return out
 
 
 def _mesh_dims(mesh: Any, mesh_dims: MeshDims) -> list[int]:

@@ -131,8 +131,8 @@ def _build(op: _Op, ctx: _Ctx) -> _Built:
         kids = [_build(p, ctx) for p in op.parents]
         props = grain_proportions(a["weights"], len(kids))
         mixed: Node
-        if a.get("by", "samples") == "tokens":
-            mixed = Mix(tuple(c.node for c in kids), tuple(float(p) for p in props), by="tokens",
+        if a.get("by", "samples") in ("tokens", "trained_tokens"):
+            mixed = Mix(tuple(c.node for c in kids), tuple(float(p) for p in props), by=a["by"],
                         count_field=a.get("count_field") or ctx.count_field,
                         schedule=a.get("schedule", ()))
         elif ctx.order == "grain":
@@ -176,7 +176,7 @@ def _build(op: _Op, ctx: _Ctx) -> _Built:
             raise PlanError("a pipeline packs once: it already has a packing step (one accumulator "
                             "per lane pipeline).")
         pack: Pack = a["pack"]
-        chain = b.chain + (PackInput(a["fields"]), pack)
+        chain = b.chain + (PackInput(a["fields"], keep=a.get("grain") is None and a.get("names") is None), pack)
         if a.get("names") == "grain":
             chain += (GrainPackNames(a["fields"]),)
         return replace(b, chain=chain)
@@ -239,8 +239,8 @@ def compile_pipeline(op: _Op, config: _Config) -> _Compiled:
     if packs:
         ctx.count_field = packs[0].args["fields"][0]
     built = _build(stream_op, ctx)
-    token_mix = any(isinstance(n, Mix) and n.by == "tokens" for n in _nodes(built.node))
-    if token_mix and not (isinstance(built.node, Mix) and built.node.by == "tokens"):
+    token_mix = any(isinstance(n, Mix) and n.by_tokens for n in _nodes(built.node))
+    if token_mix and not (isinstance(built.node, Mix) and built.node.by_tokens):
         raise PlanError("a mix by tokens runs inside every lane, so it must be the last ordering "
                         "step of the pipeline: shuffle/repeat/slice each dataset before mix(), "
                         "and apply map_with_index/random_map (Grain-indexed) before it too.")
@@ -263,7 +263,7 @@ def compile_pipeline(op: _Op, config: _Config) -> _Compiled:
     schedule = op.args.get("schedule", ()) if batched else ()
     if schedule and config.order == "grain":
         raise PlanError("a batch-size schedule has no Grain order: Grain batches with one size. "
-                        "Use order='zephon' (the default) with batch(schedule=...).")
+                        "Build it with Dataset.source(..., order='zephon') to use batch(schedule=...).")
     if config.order == "grain" and lanes > 1 and not lane_engine:
         # each lane's rows of a step are consecutive Grain elements (Grain's batches); a
         # packing or token-mixed lane consumes documents at its own pace, so it just reads
@@ -295,8 +295,8 @@ def to_grain(op: _Op, memo: dict[int, Any]) -> Any:
             ds = p.seed(a["seed"])
         elif k == "shuffle":
             ds = p.shuffle(seed=a["seed"])
-        elif k == "repeat":
-            ds = p.repeat(a["num_epochs"])
+        elif k in ("repeat", "repeat_same"):
+            ds = p.repeat(a["num_epochs"], reseed_each_epoch=k == "repeat")
         elif k == "slice":
             ds = p.slice(a["slice"])
         elif k in ("map", "filter") and isinstance(a["transform"], Transform):
@@ -319,14 +319,14 @@ def to_grain(op: _Op, memo: dict[int, Any]) -> Any:
             ds = p.random_map(a["transform"], seed=a["seed"])
         elif k == "map_with_index":
             ds = p.map_with_index(a["transform"])
-        elif k == "to_iter_dataset":
-            ds = p.to_iter_dataset()
+        elif k in ("to_iter_dataset", "iter_nones"):
+            ds = p.to_iter_dataset(allow_nones=k == "iter_nones")
         elif k == "batch":
             if isinstance(p, grain.MapDataset) and any(o.kind == "filter" for o in op.upstream()):
                 p = p.to_iter_dataset()  # Grain requires this after filter; same elements
             if a.get("schedule"):
                 raise PlanError("Grain has no batch-size schedule; compare a pipeline with one batch size.")
-            ds = p.batch(a["batch_size"], drop_remainder=a["drop_remainder"])
+            ds = p.batch(a["batch_size"], drop_remainder=a["drop_remainder"], batch_fn=a.get("batch_fn"))
         else:
             raise PlanError(f"no Grain equivalent for step {k!r}")
     memo[id(op)] = ds

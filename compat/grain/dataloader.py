@@ -22,6 +22,7 @@ from .compile import READ_AHEAD
 from .iterator import CollatingLoader, Iterator
 from .order import ContiguousBatches, GrainIndex, GrainLoaderOrder, GrainSampler
 from .sources import GrainSource
+from .streams import BatchStep
 from .transforms import GrainFilter, GrainMap, GrainRandomMap, with_collate
 
 
@@ -66,8 +67,6 @@ class DataLoader:
                 if i != len(operations) - 1:
                     raise PlanError("Batch must be the last operation: Zephon's plan ends in the "
                                     "global batch.")
-                if t.batch_fn is not None:
-                    raise PlanError("Batch(batch_fn=...) is not supported; pad/pack with a Map first.")
                 batch = t
             elif isinstance(t, grain.transforms.Map):
                 transforms.append(GrainMap(t))
@@ -80,6 +79,12 @@ class DataLoader:
             else:
                 raise PlanError(f"{type(t).__name__} is not supported by grain.DataLoader's Zephon "
                                 "twin; use Map, RandomMap, Filter and a final Batch.")
+        self._tail_batch = batch if batch is not None and (batch.batch_fn is not None or (
+            not batch.drop_remainder and count == 1 and sampler._num_epochs is not None and (
+                filtered or sampler._num_records * sampler._num_epochs % batch.batch_size))) else None
+        if self._tail_batch is not None and (count != 1 or self.workers != 1):
+            raise PlanError("Batch(batch_fn=...) needs worker_count=0 and no sharding here: Zephon "
+                            "calls it on whole batches of one stream; pad/pack with a Map instead.")
         per_shard = batch.batch_size if batch is not None else 1
         self.batched = batch is not None
         stream: Node = GrainSampler(sampler._num_records, s_count, s_drop, sampler._shuffle,
@@ -112,7 +117,14 @@ class DataLoader:
                    world=self.world if world is None else world, runner=self.runner,
                    read_ahead=self.read_ahead)
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Any:
+        b = self._tail_batch
+        if b is not None:  # Grain's smaller last batch / batch_fn: batch the element stream
+            ops = self.grain_args["operations"][:-1]
+            twin = DataLoader(**{**self.grain_args, "operations": ops}, runner=self.runner,
+                              read_ahead=self.read_ahead)
+            return BatchStep(Iterator(twin.loader(), batched=False), b.batch_size, b.drop_remainder,
+                             b.batch_fn)
         return Iterator(self.loader(), batched=self.batched)
 
     def fingerprints(self, steps: int, *, world: int | None = None) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import builtins
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -29,16 +29,17 @@ from zephon.verify import run_fingerprints
 from .compile import GRAIN_INFINITE, Order, _Compiled, _Config, _Op, compile_pipeline, row_ops, to_grain
 from .iterator import CollatingLoader, Iterator
 from .packing import pack_step
+from .pipeline import TailMixin
 from .records import elements
-from .transforms import has_accumulator
+from .tail import TAIL_ITER, TAIL_ONLY
 
 _ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset", "batch", "seed",
-             "pack")
+             "pack", *TAIL_ONLY)
 
 _DEFAULT_CONFIG = _Config()  # frozen, so one shared default is safe
 
 
-class Dataset:
+class Dataset(TailMixin):
     """A Grain-shaped pipeline (`MapDataset` spellings) that runs on Zephon.
 
     Build it exactly like a `grain.MapDataset`; `order="grain"` (default) reproduces Grain's
@@ -75,17 +76,22 @@ class Dataset:
 
         `by="tokens"` (Zephon): the weights apply to realised tokens, inside every lane — each
         lane takes its next document from the dataset furthest below its share of the tokens
-        so far (`zephon.Mix(..., by="tokens")`). Each dataset tokenizes before the mix (e.g.
+        so far (`zephon.Mix(..., by="tokens")`); `by="trained_tokens"` counts only the tokens
+        whose `loss_mask` is non-zero (`zephon.ops.chat.Chat` writes it). Each dataset tokenizes before the mix (e.g.
         `.map(Tokenize(...))`); what is counted is the length of column `count_field` (default:
         the feature a later packing step packs, else `tokens`). Such a mix is the last ordering
         step (shuffle/repeat each dataset before it) and has no random access. `schedule`
         (by tokens only): `((step, weights), ...)`, a curriculum (`zephon.Mix(schedule=...)`).
         """
-        if by not in ("samples", "tokens"):
-            raise PlanError(f"mix(by=...) must be 'samples' or 'tokens', got {by!r}")
-        if schedule and by != "tokens":
+        if by not in ("samples", "tokens", "trained_tokens"):
+            raise PlanError(f"mix(by=...) must be 'samples', 'tokens' or 'trained_tokens', got {by!r}")
+        if schedule and by == "samples":
             raise PlanError("mix(schedule=...) needs by='tokens': a mix by samples has one set of "
                             "weights (Grain's proportional interleave).")
+        if isinstance(datasets, Mapping) or (by == "samples" and not schedule and any(
+                isinstance(d, Dataset) and d._in_iter() for d in datasets)):
+            from .iterdata import iter_mix
+            return iter_mix(datasets, weights)  # Grain's IterDataset.mix
         datasets = list(datasets)
         if not datasets:
             raise PlanError("mix needs at least one dataset")
@@ -104,15 +110,12 @@ class Dataset:
         return Dataset(_Op(kind, (self._op,), args), self._config)
 
     def _check_open(self, kind: str) -> None:
-        if self._op.kind == "batch" and kind != "to_iter_dataset":
-            raise PlanError(f"cannot {kind} after batch: Zephon's plan ends in the global batch; "
-                            "apply the step before batch().")
         if self._in_iter() and kind not in _ITER_OPS:
             raise PlanError(f"{kind} is a MapDataset step and cannot follow to_iter_dataset() or a "
                             "packing step; move it before them (as in Grain).")
 
     def _in_iter(self) -> bool:
-        return any(o.kind in ("to_iter_dataset", "pack") for o in self._op.upstream())
+        return any(o.kind in ("to_iter_dataset", "pack", *TAIL_ITER) for o in self._op.upstream())
 
     @property
     def packed(self) -> bool:
@@ -121,7 +124,8 @@ class Dataset:
 
     @property
     def _token_mixed(self) -> bool:
-        return any(o.kind == "mix" and o.args.get("by") == "tokens" for o in self._op.upstream())
+        return any(o.kind == "mix" and o.args.get("by") in ("tokens", "trained_tokens")
+                   for o in self._op.upstream())
 
     def _seed_for(self, kind: str, seed: int | None) -> int | None:
         if seed is not None:
@@ -142,9 +146,8 @@ class Dataset:
         return self._then("shuffle", seed=s)
 
     def repeat(self, num_epochs: int | None = None, *, reseed_each_epoch: bool = True) -> Dataset:
-        if not reseed_each_epoch:
-            raise PlanError("repeat(reseed_each_epoch=False) is not supported: Zephon re-keys every "
-                            "epoch; repeat with a new shuffle per epoch (the default).")
+        if not reseed_each_epoch:  # Grain's: every epoch reads epoch 0's elements (`tail`)
+            return self._then("repeat_same", num_epochs=num_epochs)
         return self._then("repeat", num_epochs=num_epochs)
 
     def slice(self, sl: slice) -> Dataset:
@@ -199,7 +202,8 @@ class Dataset:
     def batch(self, batch_size: int | None = None, *, drop_remainder: bool = False,
               batch_fn: Callable[[Sequence[Any]], Any] | None = None,
               schedule: Sequence[tuple[int, int]] | None = None) -> Dataset:
-        """The global batch. Zephon emits full batches only (as with drop_remainder=True).
+        """Grain's batch. The plan's global batch where it gives Grain's batches; a smaller last
+        batch (drop_remainder=False) or a `batch_fn` is assembled after the plan (`tail`).
 
         `schedule` (Zephon's, not Grain's) is a batch-size ramp `((0, B0), (step1, B1), ...)`
         that is part of the plan (see `zephon.batchsize`); `batch_size` may then be omitted.
@@ -213,21 +217,20 @@ class Dataset:
                                 "size (omit batch_size, or give the schedule's first size).")
             batch_size = entries[0][1]
             schedule = tuple(entries[1:])
-        if batch_fn is not None:
-            raise PlanError("batch_fn is not supported: Zephon stacks records into columns itself; "
-                            "pad or pack records with map() before batch().")
+        if batch_fn is not None and schedule:
+            raise PlanError("batch(schedule=...) with batch_fn is not supported: a schedule is part "
+                            "of the plan; pad with map() before batch() instead.")
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise PlanError(f"batch_size must be a positive integer, got {batch_size!r}")
         return self._then("batch", batch_size=int(batch_size), drop_remainder=bool(drop_remainder),
-                          **({"schedule": schedule} if schedule else {}))
+                          batch_fn=batch_fn, **({"schedule": schedule} if schedule else {}))
 
     def to_iter_dataset(self, read_options: Any = None, *, allow_nones: bool = False) -> Dataset:
         """Grain's switch to `IterDataset`; kept so pipelines read the same (Zephon needs no
         read threads here: runners parallelise whole steps)."""
-        if allow_nones:
-            raise PlanError("to_iter_dataset(allow_nones=True) is not supported; Zephon never "
-                            "emits filtered-out elements.")
-        return self._then("to_iter_dataset")
+        if allow_nones:  # Grain's: the MapDataset's Nones are kept (read by index, `tail`)
+            return self._then("iter_nones")
+        return self._then("to_iter_dataset")._read_options(read_options)
 
     def apply(self, transformations: Any) -> Dataset:
         """Grain's `apply`: dispatches Map/RandomMap/Filter/MapWithIndex/Batch by type."""
@@ -277,11 +280,16 @@ class Dataset:
     # --- the plan -------------------------------------------------------------------------------
     @property
     def batched(self) -> bool:
-        return any(o.kind == "batch" for o in self._op.upstream())
+        """Whether the plan ends in a global batch (the steps the plan runs include a batch)."""
+        head = self._op if self._remainder_only else self._split.head
+        return head is not None and any(o.kind == "batch" for o in head.upstream())
 
     @functools.cached_property
     def _compiled(self) -> _Compiled:
-        return compile_pipeline(self._op, self._config)
+        if self._split.head is None:
+            raise PlanError("this pipeline starts with a Grain iterator dataset (a mix of "
+                            "IterDatasets, interleave or a file iterator); it has no Zephon plan.")
+        return compile_pipeline(self._op if self._remainder_only else self._split.head, self._config)
 
     @property
     def plan(self) -> Batch:
@@ -298,22 +306,12 @@ class Dataset:
 
     def loader(self, *, rank: int | None = None, world: int | None = None, start_step: int = 0) -> Loader:
         """The Zephon `Loader` of rank `rank` (default: the dataset's `shard`)."""
+        self._no_tail("loader()")
         c = self._compiled
         cls = CollatingLoader if self.batched else Loader
         return cls(c.plan, c.sources, c.transforms, rank=rank if rank is not None else self._config.rank or 0,
                    world=world if world is not None else self._config.world or 1,
                    runner=self._config.runner, start_step=start_step, read_ahead=self._config.read_ahead)
-
-    def _check_backend(self, what: str) -> _Compiled:
-        c = self._compiled
-        if not self.batched:
-            raise PlanError(f"{what} emits global batches; add .batch(B) to the pipeline.")
-        if not has_accumulator(c.transforms) and not all(t.one_to_one for t in row_ops(c.transforms)):
-            raise PlanError(f"{what} with a filter is not available yet: the backend's loader "
-                            "cannot stack Grain records for steps evaluated in several passes. "
-                            "Iterate the dataset (numpy batches) or filter with a Map that marks "
-                            "records instead.")
-        return c
 
     def to_jax(self, mesh: Any = None, batch_axes: Any = "data", **kwargs: Any) -> Any:
         """A `zephon.backends.jax.JaxLoader` over this pipeline: sharded global `jax.Array`s.
@@ -331,10 +329,8 @@ class Dataset:
         otherwise torch.distributed's)."""
         from zephon.backends.torch import TorchLoader
         c = self._check_backend("to_torch")
-        if self._config.world is not None:
-            kwargs.setdefault("rank", self._config.rank)
-            kwargs.setdefault("world", self._config.world)
-        return TorchLoader(c.plan, c.sources, c.transforms, runner=self._config.runner, **kwargs)
+        return TorchLoader(c.plan, c.sources, c.transforms, runner=self._config.runner,
+                           **self._shard_kwargs(kwargs))
 
     def to_torch_dataset(self, **kwargs: Any) -> Any:
         """A `zephon.backends.torch.ZephonIterableDataset` over this pipeline, for
@@ -342,33 +338,52 @@ class Dataset:
         torch.distributed's)."""
         from zephon.backends.torch import ZephonIterableDataset
         c = self._check_backend("to_torch_dataset")
-        if self._config.world is not None:
-            kwargs.setdefault("rank", self._config.rank)
-            kwargs.setdefault("world", self._config.world)
-        return ZephonIterableDataset(c.plan, c.sources, c.transforms, runner=self._config.runner, **kwargs)
+        return ZephonIterableDataset(c.plan, c.sources, c.transforms, runner=self._config.runner,
+                                     **self._shard_kwargs(kwargs))
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Any:
+        if self._tail is not None:
+            if self._config.world is None:
+                return self._tail.iterator()
+            self._no_tail("shard()")  # a rank iterates its rows of the plan's full global batches
         return Iterator(self.loader(), batched=self.batched)
 
     def __len__(self) -> int:
+        if self._tail is not None:
+            return self._tail.length()
         if self.packed or self._token_mixed:
             raise TypeError("a packed or token-mixed pipeline has no length: how many rows it makes "
                             "depends on the documents' token counts (like Grain's IterDataset).")
-        n = self.plan.num_steps if self.batched else self._compiled.stream.length
-        return GRAIN_INFINITE if n is None else int(n)
+        n = self._compiled.stream.length
+        n = GRAIN_INFINITE if n is None else int(n)
+        if not self.batched:
+            return n
+        if self._compiled.plan.num_steps is not None and any(
+                o.kind == "filter" for o in self._op.upstream()):
+            return int(self._compiled.plan.num_steps)
+        batch = next(o for o in self._op.upstream() if o.kind == "batch")
+        bs = batch.args["batch_size"]
+        return n // bs if batch.args["drop_remainder"] else -(-n // bs)  # Grain's len
 
     def _item(self, index: int) -> Any:
+        if self._tail is not None:
+            return self._tail.item(index + len(self) if index < 0 else index)
         if self.packed or self._token_mixed:
             raise PlanError(f"ds[{index}]: a packed or token-mixed pipeline has no random access "
                             "(where a row starts depends on every document before it); iterate it.")
         if index < 0:
             index += len(self)
+        if index >= len(self):
+            return self._past_the_end(index)
         if self.batched:
             return Iterator.emit(self.loader().batch(index), batched=True)
         c = self._compiled
         refs = c.stream.resolve([index])
         cols, kept = run_transforms(row_ops(c.transforms), read_refs(c.sources, refs), refs, 0)
         return elements(cols)[0] if len(kept) else None
+
+    def __repr__(self) -> str:
+        return f"zephon.compat.grain.Dataset({' -> '.join(o.kind for o in list(self._op.upstream())[::-1])})"
 
     def fingerprints(self, steps: int, *, world: int | None = None) -> list[str]:
         """Step fingerprints of the first `steps` global batches, computed by `world` ranks."""
@@ -379,3 +394,4 @@ class Dataset:
     def to_grain(self) -> Any:
         """The equivalent real `grain.MapDataset`/`IterDataset` (same ops, seeds and sources)."""
         return to_grain(self._op, {})
+

@@ -1,4 +1,5 @@
-"""`zephon.compat.grain.experimental`: Grain's packing datasets under their Grain names.
+"""`zephon.compat.grain.experimental`: Grain's experimental datasets under their Grain names
+(the packers here; the iterator-level ones in `iterdata`).
 
 `grain.experimental.X(ds, ...)` becomes `zg.experimental.X(ds, ...)` with the same arguments;
 each is a `Dataset` whose last step is `Dataset.pack` (see `packing`). Arguments Zephon's
@@ -16,6 +17,18 @@ import numpy as np
 from zephon.errors import PlanError
 
 from .dataset import Dataset
+from .iterdata import (
+    FlatMapIterDataset,
+    FlatMapMapDataset,
+    FlatMapTransform,
+    InterleaveIterDataset,
+    ParquetIterDataset,
+    PerformanceConfig,
+    ThreadPrefetchIterDataset,
+    WindowShuffleIterDataset,
+    device_put,
+    pick_performance_config,
+)
 
 
 def _bos_handling_none(bos_handling: Any) -> bool:
@@ -128,4 +141,7 @@ class BestFitPackIterDataset(FirstFitPackIterDataset):
 BOSHandling = grain.experimental.BOSHandling
 
 __all__ = ["BOSHandling", "BestFitPackIterDataset", "ConcatThenSplitIterDataset",
-           "FirstFitPackIterDataset"]
+           "FirstFitPackIterDataset", "FlatMapIterDataset", "FlatMapMapDataset", "FlatMapTransform",
+           "InterleaveIterDataset", "ParquetIterDataset", "PerformanceConfig",
+           "ThreadPrefetchIterDataset", "WindowShuffleIterDataset", "device_put",
+           "pick_performance_config"]

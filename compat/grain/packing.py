@@ -98,10 +98,17 @@ class PackInput(_FieldsOp):
     Further features of `length_struct` (MaxText's `targets` copy of `inputs`) must hold the
     same tokens: Zephon packs one sequence per document and derives next-token targets from
     it, so a record whose features differ is refused, naming it. Other fields are dropped
-    (packing emits only its own fields, as Grain's packers do without meta features).
+    (packing emits only its own fields, as Grain's packers do without meta features) — except
+    with `keep` (a `zephon.ops.pack.Pack` given to `map()`): rows that are already columns (a
+    Zephon operator such as `Chat` made them) keep every field, so `Pack` packs their per-token
+    fields (a loss mask) or refuses them, naming them, as it does under `zephon.Loader`.
     """
 
     label = "PackInput"
+    keep: bool = False
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), **({"keep": True} if self.keep else {})}
 
     def _tokens(self, v: Any, refs: Refs, i: int, key: str) -> np.ndarray:
         a = np.asarray(v)
@@ -113,6 +120,11 @@ class PackInput(_FieldsOp):
 
     def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, None]:
         key = self.fields[0]
+        if self.keep and RECORD not in cols and key in cols:
+            toks = np.empty(len(cols[key]), dtype=object)
+            for i, v in enumerate(cols[key]):
+                toks[i] = self._tokens(v, refs, i, key)
+            return {**cols, key: toks}, None
         if not len(refs):
             return {key: np.empty(0, dtype=object)}, None
         if RECORD in cols:

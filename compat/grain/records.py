@@ -57,6 +57,18 @@ def collate(cols: Columns) -> Columns:
     return {k: v for k, v in cols.items() if k != RNG}
 
 
+def grain_strings(column: np.ndarray) -> np.ndarray:
+    """A str (bytes) object column as Grain's `np.stack` gives it: a U (S) array as wide as its
+    widest value here (Zephon's columns keep objects: their dtype never depends on the rows)."""
+    if column.dtype != object or not column.size:
+        return column
+    values = column.tolist()
+    flat = column.ravel().tolist()
+    if all(isinstance(x, str) for x in flat) or all(isinstance(x, bytes) for x in flat):
+        return np.array(values)
+    return column
+
+
 def elements(cols: Columns) -> list[Any]:
     """Unbatched output: Grain records (generators of a DataLoader's RandomMaps left behind)."""
     return records_of({k: v for k, v in cols.items() if k != RNG})

@@ -27,17 +27,31 @@ from zephon.ops.base import (
     record_rng,
     record_seeds,
     run_transforms,
+    stable_name,
 )
 from zephon.plan import Refs
 from zephon.sources.base import Columns
 
 from .order import grain_index_column
 from .records import RECORD, RNG, collate, records_of, records_to_columns
+from .warn import warn_once
 
 
 class GrainTransform(Transform):
     """A transform of this package: it passes through a Grain-shaped pipeline as-is, where any
     other Zephon `Transform` is wrapped in `LaneOp` (records stacked into columns for it)."""
+
+    def checked_identity(self) -> dict[str, Any]:
+        """Grain checkpoints pipelines of lambdas; so does this, saying once what is off."""
+        ident = self.identity()
+        if not stable_name(ident["name"]):
+            warn_once(f"identity:{ident['name']}",
+                      f"{ident['name']} is a lambda or a nested function: checkpoints record it "
+                      "by name only, so restoring into a pipeline whose function changed is not "
+                      "detected (Zephon's pipeline-identity check is off for it; Grain has none). "
+                      "Define it at module level to keep the check.")
+            return ident
+        return super().checked_identity()
 
 
 def _callable_name(t: Any) -> str:

@@ -10,6 +10,7 @@ commands:
             exits 0 only when every configuration is identical, so it can gate CI
   explain   which record — or which document pieces, for packed rows — sits at every row of
             a global batch
+  state     `state resign FILE`: re-sign a loader state edited by hand (its checksum)
   bench     throughput against Grain and the raw ArrayRecord limit (about 13 minutes)
 
 examples:
@@ -31,9 +32,9 @@ import sys
 from collections.abc import Sequence
 
 from zephon import __version__
-from zephon.cli import bench, demo, explain, verify
+from zephon.cli import bench, demo, explain, state, verify
 from zephon.cli.demo import SPEC, make_dataset
-from zephon.cli.pipelines import DEMO_PIPELINES, demo_filter, demo_lm, demo_shuffle
+from zephon.cli.pipelines import DEMO_PIPELINES, demo_eval, demo_filter, demo_lm, demo_shuffle
 from zephon.cli.usage import UsageError, _Parser
 from zephon.errors import ZephonError
 
@@ -44,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--traceback", action="store_true", help="on an error, print where it was raised")
     p.add_argument("--version", action="version", version=f"zephon {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
-    for command in (demo, verify, explain, bench):
+    for command in (demo, verify, explain, state, bench):
         command.register(sub)
     args, extra = p.parse_known_args(argv)
     if extra and args.cmd != "bench":
@@ -76,5 +77,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["DEMO_PIPELINES", "SPEC", "UsageError", "demo_filter", "demo_lm", "demo_shuffle", "main",
+__all__ = ["DEMO_PIPELINES", "SPEC", "UsageError", "demo_eval", "demo_filter", "demo_lm", "demo_shuffle", "main",
            "make_dataset"]

@@ -24,6 +24,7 @@ examples:
   zephon explain plan.json --step 3
   zephon explain examples/verify_pipeline.py:packed --step 5 --rows 0:2
   zephon explain my_project.data:pipeline --step 100 --world 8 --rank 3
+  zephon explain my_project.data:pipeline --step 100000 --from-state ckpt/loader.json
 """
 
 
@@ -65,13 +66,20 @@ def cmd_explain(args: argparse.Namespace) -> int:
     pipe = Builder(args.target)(args.world, args.rank)
     loader = pipe.loader(rank=args.rank, world=args.world)
     try:
+        if args.from_state is not None:  # start from a saved state instead of step 0
+            from zephon.checkpoint import load_state
+
+            loader.restore(load_state(args.from_state))
+            if loader.step > args.step:
+                raise UsageError(f"--from-state {args.from_state} is at step {loader.step}, after "
+                                 f"--step {args.step}; pass a state saved at or before it.")
         if loader.random_access:
             batch = loader.batch(args.step)
-        else:  # lanes advance by the data: run up to the step
+        else:  # lanes advance by the data: run up to the step (from the state's, with --from-state)
             from tqdm import tqdm
 
-            for _ in tqdm(range(args.step), desc=f"running to step {args.step}", unit="step",
-                          leave=False, disable=args.step < 50):
+            for _ in tqdm(range(loader.step, args.step), desc=f"running to step {args.step}", unit="step",
+                          leave=False, disable=args.step - loader.step < 50):
                 next(loader)
             batch = next(loader)
     finally:
@@ -106,4 +114,7 @@ def register(sub: Any) -> None:
     e.add_argument("--rows", default=None, metavar="A:B", help="rows to print (default: the first 16)")
     e.add_argument("--world", type=int, default=1, help="data-parallel degree, for a factory (default 1)")
     e.add_argument("--rank", type=int, default=0, help="the rank whose rows to print, for a factory (default 0)")
+    e.add_argument("--from-state", default=None, metavar="FILE",
+                   help="a loader state saved at or before STEP (save_state; merged over ranks or this "
+                        "rank's): a pipeline that filters or packs runs from there, not from step 0")
     e.set_defaults(fn=cmd_explain)

@@ -34,7 +34,10 @@ CPU devices), the runners at D=2, torch DataLoader workers, micro-batch counts o
 backend, 2 local processes (jax.distributed, torch gloo), stop/resume across degrees and
 emitters (each state saved through that emitter's API, JSON/torch.save round-tripped, merged
 over ranks), and the reference once more (catches global RNG). Configurations a pipeline
-cannot take (D not dividing the lanes, ...) are listed as n/a with the reason.
+cannot take (D not dividing the lanes, ...) are listed as n/a with the reason. A plan with a
+batch-size schedule runs like any other; `B=N` on a segment after a stop resumes it at global
+batch size N (allow_batch_change): compared with numpy D=1 under the same changes, whose every
+lane must continue the reference's rows where it stopped.
 
 Report: a table per pipeline, a summary line, and with --report PATH a JSON file and a PNG
 heat map (configurations x steps; red where a step differs).
@@ -45,6 +48,7 @@ examples:
   zephon verify examples/verify_pipeline.py:pipeline --backends numpy,torch --degrees 1,2,4
   zephon verify my_project.data:pipeline --resume 10:2->8,25:8->1 --processes 0
   zephon verify my_project.data:pipeline --only --config "numpy D=2 @10 -> jax mesh=2x4 micro=2"
+  zephon verify my_project.data:pipeline --config "numpy D=2 @10 -> torch D=4 B=512"
   zephon verify plan.json --backends numpy --steps 100
 """
 
@@ -140,8 +144,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         doc = {"zephon_verify": 1, "ok": ok, "seconds": round(wall, 1), "summary": line,
                "pipelines": [r.to_json() for r in reports]}
         Path(f"{out}.json").write_text(json.dumps(doc, indent=1))
-        write_heatmap(reports, f"{out}.png")
-        line += f"; report: {out}.json, {out}.png"
+        try:
+            write_heatmap(reports, f"{out}.png")
+            line += f"; report: {out}.json, {out}.png"
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] != "matplotlib":
+                raise
+            line += f"; report: {out}.json (no PNG: the heat map needs matplotlib, pip install 'zephon[plots]')"
     print(line)
     return 0 if ok else 1
 
@@ -167,7 +176,7 @@ def register(sub: Any) -> None:
                         "default: stops at 1/3 and 1/2 of the run across degrees and emitters")
     v.add_argument("--config", action="append", metavar="CONFIG",
                    help="an extra configuration, e.g. \"torch D=4 micro=2\" or \"numpy D=2 @10 -> jax mesh=2x4\" "
-                        "(repeatable)")
+                        "or \"numpy D=2 @10 -> numpy D=8 B=512\" (a resume at another global batch size; repeatable)")
     v.add_argument("--only", action="store_true", help="run only the --config configurations")
     v.add_argument("--report", default=None, metavar="PATH",
                    help="write PATH.json (every configuration's fingerprints and result) and PATH.png (heat map)")

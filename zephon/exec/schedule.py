@@ -14,8 +14,10 @@ closely as from step 0. The counters in a checkpoint are therefore those since t
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -33,21 +35,39 @@ class TokenSchedule:
     """A lane's deficit schedule over the branches of a token mix."""
 
     starts: tuple[int, ...]  # the step each set of weights applies from: 0, then the schedule's
-    inv_weights: tuple[np.ndarray, ...]  # 1 / normalised weight (inf for 0: never chosen), per set
-    count_field: str
+    #: per set, the integer a branch's count is multiplied by to compare it with the others
+    #: (lcm / weight, with the weights made exact integers; None for a weight of 0: never chosen).
+    #: Counting in Python integers keeps the deficit exact at any count: in float64 two counts
+    #: past 2**53 compare equal and the mix collapses onto one branch.
+    scales: tuple[tuple[int | None, ...], ...]
+    count_field: str | None  # None: a mix by samples read whole (every record counts one)
+    mask_field: str | None = None  # a mix by trained tokens: count the mask's non-zero tokens
+    read_all: bool = False  # Mix(stop="all"): an exhausted branch drops out, the others go on
 
     @staticmethod
     def of(mix: Mix) -> TokenSchedule:
-        stretches = mix.weights_from()
-        inv = tuple(np.where(w > 0, 1.0 / np.where(w > 0, w, 1.0), np.inf) for _, w in stretches)
-        return TokenSchedule(tuple(s for s, _ in stretches), inv, mix.count_field)
+        sets = [mix.weights] + [w for _, w in mix.schedule]
+        return TokenSchedule((0,) + tuple(s for s, _ in mix.schedule), tuple(_scales(w) for w in sets),
+                             mix.count_field if mix.by_tokens else None,
+                             mix.mask_field if mix.by == "trained_tokens" else None, mix.stop == "all")
 
     def restarts(self, step: int) -> bool:
         """Whether the weights change at `step` (the lanes' counters start from zero there)."""
         return step in self.starts[1:]
 
     def count(self, cols: Columns, r: int) -> int:
-        """What the mix counts for row r: the length of its `count_field` column."""
+        """What the mix counts for row r: the length of its `count_field` column, or (by trained
+        tokens) the non-zero entries of its mask after the first token: what the loss will see."""
+        if self.mask_field is not None:
+            m = cols.get(self.mask_field)
+            if m is None:
+                raise PlanError(f"a Mix by trained tokens counts the non-zero tokens of column "
+                                f"{self.mask_field!r}, which the pipeline's rows do not have (fields: "
+                                f"{sorted(cols)}); put a Chat (or a per-token mask) before the mix "
+                                "or set Mix(mask_field=...).")
+            return int(np.count_nonzero(np.asarray(m[r])[1:]))
+        if self.count_field is None:
+            return 1
         v = cols.get(self.count_field)
         if v is None:
             raise PlanError(f"a Mix by tokens counts the length of column {self.count_field!r}, "
@@ -58,23 +78,39 @@ class TokenSchedule:
     def candidates(self, peek: Peek, count: int, mix: Sequence[int], step: int
                    ) -> tuple[list[tuple[Window, int]], list[int]]:
         """The lane's next `count` inputs for `step` and their branches, from the lane's counters
-        `mix`; fewer when a branch's lane ran out (a finite mix ends there)."""
-        inv_weights = self.inv_weights[bisect.bisect_right(self.starts, step) - 1]
-        counts = np.array(mix, np.float64)
-        nb = len(counts)
+        `mix`; fewer when a branch's lane ran out (a finite mix ends there) — or, reading every
+        child whole, when every branch with a weight ran out (until then the exhausted ones drop
+        out and the rest keep their relative weights)."""
+        scales = self.scales[bisect.bisect_right(self.starts, step) - 1]
+        live = [b for b, m in enumerate(scales) if m is not None]
+        keys = [int(c) * (m or 0) for c, m in zip(mix, scales)]
+        nb = len(keys)
         depth = [0] * nb
         peeked: list[list[tuple[Window, int]]] = [[] for _ in range(nb)]
         rows: list[tuple[Window, int]] = []
         branches: list[int] = []
-        while len(rows) < count:
-            b = int(np.argmin(counts * inv_weights))
+        while len(rows) < count and live:
+            b = min(live, key=keys.__getitem__)  # the branch furthest behind; ties: the lowest
             if depth[b] == len(peeked[b]):
                 peeked[b] = peek(b, depth[b] + max(4, count))
                 if depth[b] == len(peeked[b]):
-                    break
+                    if not self.read_all:
+                        break
+                    live.remove(b)
+                    continue
             win, r = peeked[b][depth[b]]
             depth[b] += 1
             rows.append((win, r))
             branches.append(b)
-            counts[b] += self.count(win.cols, r)
+            keys[b] += self.count(win.cols, r) * (scales[b] or 0)
         return rows, branches
+
+
+def _scales(weights: Sequence[float]) -> tuple[int | None, ...]:
+    """Per branch `lcm / weight` over the weights as exact integers (a float is an exact binary
+    fraction), so `count × scale` orders branches as `count / weight` does, without rounding."""
+    exact = [Fraction(w) for w in weights]
+    den = math.lcm(*(f.denominator for f in exact))
+    ints = [int(f * den) for f in exact]
+    top = math.lcm(*(i for i in ints if i > 0))
+    return tuple(top // i if i > 0 else None for i in ints)

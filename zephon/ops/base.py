@@ -108,12 +108,26 @@ def identity_diff(saved: Sequence[Mapping[str, Any]], mine: Sequence[Mapping[str
             continue
         if s.get("version") != m["version"]:
             out.append(f"operator {i} ({m['name']}): version {s.get('version')!r} != {m['version']!r}")
-        sc, mc = s.get("config") or {}, m["config"] or {}
-        for k in sorted(set(sc) | set(mc)):
-            if sc.get(k, "<absent>") != mc.get(k, "<absent>"):
-                out.append(f"operator {i} ({m['name']}): config {k} {sc.get(k, '<absent>')!r} != "
-                           f"{mc.get(k, '<absent>')!r}")
+        _config_diff(f"operator {i} ({m['name']}): config", "", s.get("config") or {}, m["config"] or {}, out)
     return out
+
+
+def _config_diff(head: str, path: str, a: Any, b: Any, out: list[str]) -> None:
+    """Names the differing leaves of two configs (nested: a per-source chain's tokenizer hash
+    or EOS), each value cut short, rather than printing both configs whole."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        for k in sorted(set(a) | set(b), key=str):
+            _config_diff(head, f"{path}.{k}" if path else str(k), a.get(k, "<absent>"), b.get(k, "<absent>"), out)
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for j, (x, y) in enumerate(zip(a, b)):
+            _config_diff(head, f"{path}[{j}]", x, y, out)
+    elif a != b:
+        out.append(f"{head} {path} {_short(a)} != {_short(b)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # --- row operators ------------------------------------------------------------------------------
@@ -162,6 +176,16 @@ def call_on_record(fn: Callable[..., Any], what: str, refs: Refs, i: int, *args:
         raise DecodeError(f"{what} failed on record {int(refs.record[i])} of source "
                           f"{int(refs.source[i])} (epoch {int(refs.epoch[i])}): {e!r}. Fix the "
                           "transform or the record; nothing was skipped.") from e
+
+
+def output_of(what: str, refs: Refs, rows: Sequence[int] | None = None) -> Callable[[int], str]:
+    """Names output i of operator `what` by the record it came from (input `rows[i]`), for the
+    errors of stacking outputs into columns (a Map that returned something other than a dict)."""
+    def locate(i: int) -> str:
+        j = i if rows is None else rows[i]
+        return (f"{what}'s output for record {int(refs.record[j])} of source {int(refs.source[j])} "
+                f"(epoch {int(refs.epoch[j])})")
+    return locate
 
 
 def output_rows(what: str, rows: Any, n_in: int) -> np.ndarray | None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from zephon.columns import to_columns, to_records
 from zephon.errors import PlanError
-from zephon.ops.base import Transform, call_on_record
+from zephon.ops.base import Transform, call_on_record, output_of
 from zephon.plan import Refs
 from zephon.sources.base import Columns
 
@@ -68,4 +68,4 @@ class FlatMap(Transform):
                                 f"{int(refs.source[i])}")
             outs += got
             rows += [i] * len(got)
-        return to_columns(outs, template=cols), np.asarray(rows, np.int64)
+        return to_columns(outs, output_of(self.op_name, refs, rows), template=cols), np.asarray(rows, np.int64)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zephon.columns import to_columns, to_records
-from zephon.ops.base import Transform, call_on_record, record_rng, record_seeds
+from zephon.ops.base import Transform, call_on_record, output_of, record_rng, record_seeds
 from zephon.plan import Refs
 from zephon.sources.base import Columns
 
@@ -35,7 +35,7 @@ class Map(Transform):
         if self.batched:
             return self.fn(cols), None
         recs = [call_on_record(self.fn, self.op_name, refs, i, r) for i, r in enumerate(to_records(cols))]
-        return to_columns(recs, template=cols), None
+        return to_columns(recs, output_of(self.op_name, refs), template=cols), None
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,6 @@ class RandomMap(Transform):
         seeds = record_seeds(seed, refs)
         recs = [call_on_record(self.fn, self.op_name, refs, i, r, record_rng(seeds[i]))
                 for i, r in enumerate(to_records(cols))]
-        return to_columns(recs, template=cols), None
+        return to_columns(recs, output_of(self.op_name, refs), template=cols), None
 
 

@@ -18,6 +18,15 @@ target and `loss_mask` 0, so nothing leaks across documents), `segment_ids` (1, 
 `cu_seqlens` (segment boundaries of the row, padded with its number of real tokens). With
 `names="maxtext"` the fields are `inputs`, `targets`, `inputs_segmentation`,
 `targets_segmentation`, `inputs_position`, `targets_position` (Grain's and MaxText's names).
+
+**Per-token fields.** Every other column whose rows are sequences of the token column's length
+(a loss or response mask, per-token weights, image-token positions...) is packed with the tokens:
+cut with its document, padded with 0, under its own name. A column that is not one value per
+token is refused, naming it — packing never drops a field silently; `drop=` names the ones to
+leave out. The column `mask` (default `loss_mask`), if the records carry it, says which tokens
+are trained: the emitted `loss_mask` at a position is 1 only if its target is in the same
+document *and* the record's mask is non-zero at that target token (the mask marks the tokens to
+be predicted, so it shifts with the targets).
 """
 
 from __future__ import annotations
@@ -49,6 +58,9 @@ class Pack(Accumulator):
         smaller value, first_fit/best_fit close a row that has that many segments.
       names: 'zephon' or 'maxtext' field names.
       dtype: integer dtype of the emitted arrays.
+      mask: the records' per-token mask of trained tokens (non-zero: trained), if they carry it;
+        combined into `loss_mask` (see the module doc). None: no record mask.
+      drop: columns of the records not to emit (per-record values packing cannot place in rows).
     """
 
     seq_len: int
@@ -59,6 +71,11 @@ class Pack(Accumulator):
     max_segments: int | None = None
     names: Literal["zephon", "maxtext"] = "zephon"
     dtype: str = "int32"
+    mask: str | None = "loss_mask"
+    drop: tuple[str, ...] = ()
+    #: 2: per-token fields are packed (or refused) and the record mask shapes loss_mask; version
+    #: 1 dropped every column but the tokens.
+    version = 2
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2:
@@ -74,11 +91,18 @@ class Pack(Accumulator):
                             "max_segments applies to first_fit/best_fit only.")
         if self.names not in ("zephon", "maxtext"):
             raise PlanError(f"Pack.names must be 'zephon' or 'maxtext', got {self.names!r}")
+        if isinstance(self.drop, str) or not all(isinstance(d, str) for d in self.drop):
+            raise PlanError(f"Pack.drop must be a tuple of column names, got {self.drop!r}")
+        object.__setattr__(self, "drop", tuple(self.drop))
+        if self.mask is not None and (self.mask == self.field or self.mask in self.drop):
+            raise PlanError(f"Pack.mask {self.mask!r} is the token column or dropped; name the "
+                            "records' per-token mask column, or mask=None.")
 
     def config(self) -> dict[str, Any]:
         return {"seq_len": self.seq_len, "mode": self.mode, "field": self.field,
                 "max_open_bins": self.max_open_bins, "pad_id": self.pad_id,
-                "max_segments": self.max_segments, "names": self.names, "dtype": self.dtype}
+                "max_segments": self.max_segments, "names": self.names, "dtype": self.dtype,
+                "mask": self.mask, "drop": list(self.drop)}
 
     def check_carry(self, carry: Any, held: Columns) -> None:
         docs = list(held.get(self.field, ())) if held else []
@@ -154,11 +178,37 @@ class Pack(Accumulator):
                             "tokenize first or set Pack(field=...).")
         docs = list(held.get(self.field, ())) + list(new.get(self.field, ()))
         h = len(held.get(self.field, ())) if held else 0
+        extra = self._per_token(held, new, docs, h)
         if self.mode == "concat":
             rows, consumed, hold, carry = self._concat(carry, docs, h, demand, final)
         else:
             rows, consumed, hold, carry = self._fit(carry, docs, h, demand, final)
-        return Step(self._emit(docs, rows), consumed, hold, carry, rows)
+        return Step(self._emit(docs, rows, extra), consumed, hold, carry, rows)
+
+    def _per_token(self, held: Columns, new: Columns, docs: list[np.ndarray], h: int
+                   ) -> dict[str, list[np.ndarray]]:
+        """The per-token columns of the queue (held + new), each checked against the tokens.
+
+        Held rows were checked when they were new; only new rows are checked here."""
+        names = sorted((set(held or ()) | set(new or ())) - {self.field} - set(self.drop))
+        clash = [k for k in names if k in _OUTPUTS[self.names] and k != self.mask]
+        if clash:
+            raise PlanError(f"Pack emits {clash[0]!r} itself, and the records carry a column of "
+                            f"that name; rename it before packing or name it in Pack(drop=...).")
+        out: dict[str, list[np.ndarray]] = {}
+        for k in names:
+            old = list(held.get(k, ())) if held else []
+            vals = list(new.get(k, ())) if new else []
+            for v, d in zip(vals, docs[h:]):
+                if np.ndim(v) != 1 or len(v) != len(d):
+                    got = (f"a {np.asarray(v).dtype} value of shape {np.shape(v)}" if np.ndim(v) != 1
+                           else f"{len(v)} values")
+                    raise PlanError(
+                        f"Pack: column {k!r} is not one value per token of {self.field!r} (a new "
+                        f"input has {got} for {len(d)} tokens), so it cannot be packed with them and "
+                        f"would be lost. Make it per token, or leave it out: Pack(drop=({k!r},)).")
+            out[k] = old + vals
+        return out
 
     def _concat(self, carry: Any, docs: list[np.ndarray], h: int, demand: int, final: bool
                 ) -> tuple[list[list[Segment]], int, list[int], Any]:
@@ -210,9 +260,14 @@ class Pack(Accumulator):
             if size <= 0:
                 q, o = q + 1, 0
                 continue
-            fits = [i for i, u in enumerate(used) if L - u >= size and len(bins[i]) < cap]
-            if fits:
-                i = fits[0] if self.mode == "first_fit" else min(fits, key=lambda j: (L - used[j], j))
+            i, room, top = -1, L - size, -1
+            for j, u in enumerate(used):  # first fit: the first open row with room; best fit:
+                if top < u <= room and len(bins[j]) < cap:  # the fullest, the first of equals
+                    i, top = j, u
+                    if self.mode == "first_fit":
+                        break
+            if i >= 0:
+                pass
             elif len(bins) < self.max_open_bins:
                 bins.append([])
                 used.append(0)
@@ -241,9 +296,15 @@ class Pack(Accumulator):
         return rows, consumed, referenced, new_carry
 
     # --- rows ----------------------------------------------------------------------------------
-    def _emit(self, docs: list[np.ndarray], rows: list[list[Segment]]) -> Columns:
+    def _emit(self, docs: list[np.ndarray], rows: list[list[Segment]],
+              extra: dict[str, list[np.ndarray]]) -> Columns:
         L, R = self.seq_len, len(rows)
         dt = np.dtype(self.dtype)
+        record_mask = extra.get(self.mask) if self.mask is not None else None
+        if self.mask in _OUTPUTS[self.names]:  # combined into loss_mask, not emitted twice
+            extra = {k: v for k, v in extra.items() if k != self.mask}
+        fields = {k: np.zeros((R, L), np.result_type(*[np.asarray(v).dtype for v in vs]) if vs else dt)
+                  for k, vs in extra.items()}
         width = (self.max_segments or L) + 1
         tokens = np.full((R, L), self.pad_id, dt)
         targets = np.full((R, L), self.pad_id, dt)
@@ -259,18 +320,27 @@ class Pack(Accumulator):
                 tokens[r, at:at + n] = d[s:e]
                 nxt = d[s + 1:e + 1]
                 targets[r, at:at + len(nxt)] = nxt
-                mask[r, at:at + len(nxt)] = 1
+                m = len(nxt)
+                mask[r, at:at + m] = 1 if record_mask is None else np.asarray(record_mask[q][s + 1:s + 1 + m]) != 0
+                for name, f in fields.items():
+                    f[r, at:at + n] = extra[name][q][s:e]
                 seg[r, at:at + n] = k + 1
                 pos[r, at:at + n] = np.arange(n)
                 at += n
                 cu[r, k + 1] = at
             cu[r, len(row) + 1:] = at
         if self.names == "maxtext":
-            return {"inputs": tokens, "targets": targets, "inputs_segmentation": seg,
+            return {**fields, "inputs": tokens, "targets": targets, "inputs_segmentation": seg,
                     "targets_segmentation": seg * mask, "inputs_position": pos,
                     "targets_position": pos}
-        return {"tokens": tokens, "targets": targets, "segment_ids": seg, "positions": pos,
+        return {**fields, "tokens": tokens, "targets": targets, "segment_ids": seg, "positions": pos,
                 "loss_mask": mask, "cu_seqlens": cu}
+
+
+#: the fields each naming emits (a record column of one of these names would be overwritten)
+_OUTPUTS = {"zephon": frozenset({"tokens", "targets", "segment_ids", "positions", "loss_mask", "cu_seqlens"}),
+            "maxtext": frozenset({"inputs", "targets", "inputs_segmentation", "targets_segmentation",
+                                  "inputs_position", "targets_position"})}
 
 
 def padding(batch: Columns) -> float:

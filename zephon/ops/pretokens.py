@@ -1,29 +1,29 @@
-"""An exact pre-token cache for GPT-2-style byte-level BPE tokenizers (tiktoken's idea).
+"""An exact pre-token cache for byte-level BPE tokenizers (tiktoken's idea).
 
-Online tokenizing is the cost of an LM pipeline: Hugging Face `tokenizers` spends about 1.4 µs a
-token on one core here, most of it outside the BPE merges (the pre-tokenizer's regex, building an
-`Encoding` with its strings and offsets, converting ids to Python). Yet a byte-level BPE encodes
-every pre-token (a regex piece: " word", "123", "\\n\\n") on its own, and text repeats its words:
-so a document's ids are the concatenation of its pieces' ids, and each distinct piece needs the
-tokenizer once. This module splits text with the tokenizer's own regex, looks the pieces up in a
-bounded cache, asks the tokenizer only for pieces it has not seen (one `encode_batch` a window),
-and gathers the ids with numpy.
+Online tokenizing is the cost of an LM pipeline, and most of a tokenizer's time goes outside the
+BPE merges (the regex, building an `Encoding` with strings and offsets, converting ids to
+Python). Yet a byte-level BPE encodes every pre-token (a regex piece: " word", "123", "\\n\\n")
+on its own, and text repeats its pieces: so a document's ids are the concatenation of its pieces'
+ids, and each distinct piece needs the tokenizer once. This module splits text with the
+tokenizer's own regex (run by `re`, `zephon.ops.pretoken_regex`), looks the pieces up in a
+bounded cache keyed by the piece's text, asks the tokenizer only for pieces it has not seen (one
+call a window) and gathers the ids with numpy.
 
-It is exact, never approximate: it serves only tokenizers whose ids are provably that
-concatenation (`ineligible` says why not: a normalizer, another pre-tokenizer, BPE dropout,
-truncation or padding set on the tokenizer) and only documents it can split exactly: no added
-token's text inside, and either ASCII (where the regex's \\p{L}, \\p{N} and \\s are plain
-character sets) or, where the character tables were checked against the tokenizer's regex on
-every assigned code point (`UNICODE_CHECKED`), text without unassigned code points. Every other
-document goes to `encode_batch` as before. The ids are the same either way, so the
-cache is not part of the operator's identity. If a stream's pieces rarely repeat (the cache
-misses more than `MAX_MISS_RATE` of them once warm), it hands everything to
-`encode_batch` from then on, where that is faster.
+Served: GPT-2's `ByteLevel(use_regex=True)`, `Sequence[Split(regex, "isolated"),
+ByteLevel(use_regex=False)]` (cl100k, o200k, Llama 3, Qwen2 in `tokenizers`), tiktoken encodings,
+each with an NFC or NFKC normalizer or none. It is exact, never approximate: `ineligible` names
+why a tokenizer is not served (another model or pre-tokenizer, BPE dropout, truncation or padding
+set on it, a regex construct not rewritten), and a document is served only when it can be split
+exactly: no added token's text inside, and only characters Python's Unicode tables vouch for
+(ASCII always; all scripts where the tables were checked against the tokenizer's on every
+assigned code point, `UNICODE_CHECKED`). Every other document goes to the tokenizer. The ids are
+the same either way, so the cache is not part of the operator's identity. If a stream's pieces
+rarely repeat (more than `MAX_MISS_RATE` missed once warm), it hands everything to the tokenizer
+from then on, where that is faster.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -33,142 +33,123 @@ from typing import Any
 
 import numpy as np
 
+from zephon.ops.encoders import HFEncoder, TiktokenEncoder, encoder
+from zephon.ops.pretoken_regex import Splitter, Unsupported
+
 log = logging.getLogger(__name__)
 
-_WS = "\\t\\n\\x0b\\x0c\\r "
-#: GPT-2's pre-tokenizer regex (`tokenizers`' ByteLevel, use_regex=True) on ASCII text:
-#: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-SPLIT = re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+"
-                   rf"|[{_WS}]+(?![^{_WS}])|[{_WS}]+")
-#: White_Space code points: the regex engine's \s (not Python's str.isspace, which adds \x1c-\x1f).
-WHITE_SPACE = frozenset((*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028,
-                         0x2029, 0x202F, 0x205F, 0x3000))
-#: (Python's Unicode tables, `tokenizers` major.minor) for which `split()` was checked to split
-#: exactly as the tokenizer on every assigned code point (the sweep in tests/test_pretokens.py).
+#: (backend, Python's Unicode tables, backend major.minor) for which splitting was checked to be
+#: the tokenizer's own on every assigned code point (the sweeps in tests/test_pretokens.py).
 #: Elsewhere non-ASCII documents go to the tokenizer, which is exact whatever the versions.
-UNICODE_CHECKED = {("14.0.0", "0.23")}
-#: Above this fraction of pieces missed, the tokenizer alone is faster (a miss costs about 3× a
-#: token of `encode_batch`, a hit a quarter). Judged on the second half of the first
-#: `WARMUP_PIECES` pieces, once the cache has filled with the stream's common pieces.
+UNICODE_CHECKED = {("tokenizers", "14.0.0", "0.23"), ("tiktoken", "14.0.0", "0.14")}
+#: Above this fraction of pieces missed, the tokenizer alone is faster. Judged on the second half
+#: of the first `WARMUP_PIECES` pieces, once the cache has filled with the stream's common pieces.
 MAX_MISS_RATE = 0.25
 WARMUP_PIECES = 1 << 17
 
 
-def ineligible(tokenizer_json: str) -> str | None:
-    """Why a tokenizer's ids are not its pieces' ids concatenated (None: they are)."""
-    cfg = json.loads(tokenizer_json)
-    pre = cfg.get("pre_tokenizer") or {}
-    model = cfg.get("model") or {}
-    if cfg.get("normalizer") is not None:
-        return "it has a normalizer"
-    if (pre.get("type") != "ByteLevel" or pre.get("add_prefix_space", True)
-            or not pre.get("use_regex", True)):
-        return "its pre-tokenizer is not ByteLevel(add_prefix_space=False, use_regex=True)"
-    if model.get("type") != "BPE" or model.get("dropout") is not None:
-        return "its model is not a BPE without dropout"
-    if cfg.get("truncation") is not None or cfg.get("padding") is not None:
-        return "truncation or padding is set on it"
+def ineligible(tokenizer: Any) -> str | None:
+    """Why a tokenizer (a `tokenizers.Tokenizer`, its JSON, or a `tiktoken.Encoding`) is not
+    served exactly by the cache (None: it is)."""
+    if isinstance(tokenizer, str):
+        import tokenizers
+
+        tokenizer = tokenizers.Tokenizer.from_str(tokenizer)
+    enc = tokenizer if isinstance(tokenizer, (HFEncoder, TiktokenEncoder)) else encoder(tokenizer)
+    s = enc.structure()
+    if isinstance(s, str):
+        return s
+    try:
+        Splitter(s[0], s[1])  # type: ignore[arg-type]
+    except Unsupported as e:
+        return f"its regex uses {e}"
     return None
 
 
-class _Classes(dict[int, str]):
-    """Code point -> an ASCII character of the same class for the regex: a letter ('a', which is
-    in no contraction), a digit, whitespace other than the space ('\\t'), anything else ('!'),
-    or U+FFFF for a code point the tables cannot vouch for (unassigned here, or a surrogate).
-    Filled as characters are met."""
-
-    def __missing__(self, cp: int) -> str:
-        cat = unicodedata.category(chr(cp))
-        cls = ("a" if cat[0] == "L" else "0" if cat[0] == "N" else "\t" if cp in WHITE_SPACE
-               else "\uffff" if cat in ("Cn", "Cs") else "!")
-        self[cp] = cls
-        return cls
-
-
-_CLASSES = _Classes()
-_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
-
-
-def _classify(m: re.Match[str]) -> str:
-    return m.group().translate(_CLASSES)
-
-
-def unicode_checked() -> bool:
+def unicode_checked(kind: str = "tokenizers") -> bool:
     """Whether non-ASCII text is split here (see `UNICODE_CHECKED`)."""
-    import tokenizers
+    import importlib
 
-    return (unicodedata.unidata_version, tokenizers.__version__.rsplit(".", 1)[0]) in UNICODE_CHECKED
+    version = importlib.import_module(kind).__version__.rsplit(".", 1)[0]
+    return (kind, unicodedata.unidata_version, version) in UNICODE_CHECKED
 
 
-def split(text: str, unicode: bool = True) -> list[str] | None:
-    """`text`'s pre-tokens as the tokenizer's regex splits it, or None if not vouched for.
+class _Index(dict[str, int]):
+    """Piece -> its row in the cache's arrays; a piece not in it gets the next row, and is noted
+    in `new` (for the caller to encode)."""
 
-    Non-ASCII text (if `unicode`) is first mapped character for character to ASCII characters of
-    the same regex class, split with the ASCII regex, and cut at the same offsets.
-    """
-    if text.isascii():
-        return SPLIT.findall(text)
-    if not unicode:
-        return None
-    classes = _NON_ASCII.sub(_classify, text)
-    if not classes.isascii():
-        return None
-    out, at = [], 0
-    for piece in SPLIT.findall(classes):
-        out.append(text[at:at + len(piece)])
-        at += len(piece)
-    return out
+    new: list[str]
+
+    def __missing__(self, piece: str) -> int:
+        self.new.append(piece)
+        row = self[piece] = len(self)
+        return row
 
 
 class PretokenCache:
-    """Encodes texts as `encode_batch` would, from cached ids of their pre-tokens.
+    """Encodes texts as the tokenizer's own batched encode would, from cached ids of their pieces.
 
-    Per process (it is rebuilt, empty, when pickled) and safe under the threads runner. At most
-    `capacity` pieces are kept; when full the cache starts over.
+    Per process (it is rebuilt, empty, when pickled) and safe under the threads runner. It never
+    holds more than `capacity` pieces: when full it starts over, and a window with more distinct
+    pieces than that keeps only `capacity` of them.
     """
 
     def __init__(self, tokenizer: Any, capacity: int) -> None:
-        self.tokenizer = tokenizer
+        self.enc = tokenizer if isinstance(tokenizer, (HFEncoder, TiktokenEncoder)) else encoder(tokenizer)
         self.capacity = capacity
-        self.added = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content]
+        s = self.enc.structure()
+        if isinstance(s, str):
+            raise ValueError(f"the pre-token cache cannot serve this tokenizer: {s}")
+        pattern, dialect, self.form = s
+        self.unicode = unicode_checked(self.enc.kind)
+        self.splitter = Splitter(pattern, dialect, self.unicode)  # type: ignore[arg-type]
+        added = sorted(self.enc.added, key=len, reverse=True)
+        self._added = re.compile("|".join(map(re.escape, added))) if added else None
         self._lock = threading.Lock()
         self._reset()
         self.pieces = self.misses = self.served = 0  # pieces looked up, missed; documents served
         self.warm_pieces = self.warm_misses = 0  # the same, counted once the cache has warmed up
-        self.unicode = unicode_checked()
         self.active = True
 
     def _reset(self) -> None:
-        self._index: dict[str, int] = {}
+        self._index = _Index()
         self._ids = np.zeros(0, np.int32)
         self._start = np.zeros(0, np.int64)
         self._len = np.zeros(0, np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"tokenizer": self.tokenizer, "capacity": self.capacity}
+        return {"enc": self.enc, "capacity": self.capacity}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.__init__(d["tokenizer"], d["capacity"])  # type: ignore[misc]
+        self.__init__(d["enc"], d["capacity"])  # type: ignore[misc]
 
     @staticmethod
     def hf(tokenizer: Any, texts: Sequence[str]) -> list[np.ndarray]:
         """int32 ids of each text from the tokenizer's own batched encode (no cache)."""
-        fast = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
-        return [np.array(e.ids, np.int32) for e in fast(list(texts), add_special_tokens=False)]
+        return encoder(tokenizer).encode(texts)
 
-    def _hf(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return self.hf(self.tokenizer, texts)
+    def _split(self, text: str) -> list[str] | None:
+        added = self._added
+        if added is not None and added.search(text):
+            return None
+        if self.form is not None and not text.isascii():
+            text = unicodedata.normalize(self.form, text)  # type: ignore[arg-type]
+            if added is not None and added.search(text):
+                return None
+        return self.splitter.split(text)
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """int32 ids of each text, equal to the tokenizer's `encode_batch(texts)` ids."""
+        """int32 ids of each text, equal to the tokenizer's own batched encode's."""
         if not self.active:
-            return self._hf(texts)
+            return self.enc.encode(texts)
         mine: list[int] = []
         rest: list[int] = []  # documents for the tokenizer itself
         pieces: list[str] = []
         counts: list[int] = []
+        split = self._split
         for i, t in enumerate(texts):
-            if any(a in t for a in self.added) or (p := split(t, self.unicode)) is None:
+            p = split(t)
+            if p is None:
                 rest.append(i)
                 continue
             mine.append(i)
@@ -176,44 +157,62 @@ class PretokenCache:
             counts.append(len(p))
         out: list[np.ndarray] = [None] * len(texts)  # type: ignore[list-item]
         if rest:
-            for i, ids in zip(rest, self._hf([texts[i] for i in rest])):
+            for i, ids in zip(rest, self.enc.encode([texts[i] for i in rest])):
                 out[i] = ids
         if not mine:
             return out
         self.served += len(mine)
-        index, ids, start, length = self._lookup(pieces)
-        idx = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
+        idx, ids, start, length = self._lookup(pieces)
         lens = length[idx]
         ends = np.cumsum(lens)
-        flat = ids[np.repeat(start[idx] - (ends - lens), lens) + np.arange(int(ends[-1]) if len(ends) else 0)]
+        total = int(ends[-1]) if len(ends) else 0
+        flat = ids[np.repeat(start[idx] - (ends - lens), lens) + np.arange(total)]
         bounds = np.concatenate([[0], ends])[np.cumsum(counts)]
         for i, doc in zip(mine, np.split(flat, bounds[:-1])):
             out[i] = doc
         return out
 
-    def _lookup(self, pieces: list[str]) -> tuple[dict[str, int], np.ndarray, np.ndarray, np.ndarray]:
-        """The cache's arrays, holding every one of `pieces` (new ones encoded first)."""
+    def _count(self, pieces: int, missing: int) -> None:
+        if self.pieces >= WARMUP_PIECES // 2:  # the first half only fills the cache
+            self.warm_pieces += pieces
+            self.warm_misses += missing
+        self.pieces += pieces
+        self.misses += missing
+        if self.warm_pieces >= WARMUP_PIECES // 2 and self.warm_misses > MAX_MISS_RATE * self.warm_pieces:
+            self.active = False
+            log.info("pre-token cache: %d of %d pieces missed; encoding with the tokenizer alone from now on",
+                     self.misses, self.pieces)
+
+    def _lookup(self, pieces: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Each piece's index into arrays (ids, start, length) that hold them all, new ones
+        encoded first: one C-level dict lookup a piece, Python only for the misses.
+
+        The cache's own arrays when it has room for the new pieces; else the cache starts over
+        with as many of this window's pieces as fit, and the rest are held for this call only.
+        Arrays are replaced, never changed in place, so a caller can read them after the lock is
+        released.
+        """
         with self._lock:
-            missing = list(set(pieces).difference(self._index))
-            if self.pieces >= WARMUP_PIECES // 2:  # the first half only fills the cache
-                self.warm_pieces += len(pieces)
-                self.warm_misses += len(missing)
-            self.pieces += len(pieces)
-            self.misses += len(missing)
-            if (self.warm_pieces >= WARMUP_PIECES // 2
-                    and self.warm_misses > MAX_MISS_RATE * self.warm_pieces):
-                self.active = False
-                log.info("pre-token cache: %d of %d pieces missed; encoding with the tokenizer "
-                         "alone from now on", self.misses, self.pieces)
-            if missing:
-                if len(self._index) + len(missing) > self.capacity:
-                    self._reset()
-                    missing = list(set(pieces))
-                new = self._hf(missing)
-                base, n = len(self._index), len(self._ids)
-                self._index.update(zip(missing, range(base, base + len(missing))))
-                lens = np.fromiter(map(len, new), np.int64, len(new))
-                self._ids = np.concatenate([self._ids, *new])
-                self._start = np.concatenate([self._start, n + np.cumsum(lens) - lens])
-                self._len = np.concatenate([self._len, lens])
-            return self._index, self._ids, self._start, self._len
+            index = self._index
+            index.new = []
+            idx = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
+            self._count(len(pieces), len(index.new))
+            if not index.new:
+                return idx, self._ids, self._start, self._len
+            if len(index) > self.capacity:  # start over, with this window's pieces only
+                self._reset()
+                index = self._index
+                index.new = []
+                idx = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
+            missing = index.new
+            flat, lens = self.enc.encode_pieces(missing)
+            n = len(self._ids)
+            ids = np.concatenate([self._ids, flat])
+            start = np.concatenate([self._start, n + np.cumsum(lens) - lens])
+            length = np.concatenate([self._len, lens])
+            keep = len(start) - max(0, len(index) - self.capacity)
+            for p in missing[len(missing) - (len(start) - keep):]:  # over capacity within a window
+                del index[p]
+            self._ids, self._start, self._len = ids[:int(start[keep - 1] + length[keep - 1]) if keep else 0], \
+                start[:keep], length[:keep]
+            return idx, ids, start, length

@@ -2,16 +2,16 @@
 
 A read window's texts are encoded together, on whichever runner computes the window: through the
 exact pre-token cache (`zephon.ops.pretokens`: each distinct piece of text goes to the tokenizer
-once) where the tokenizer allows it, else with one `Tokenizer.encode_batch` call (HF
-`tokenizers`, Rust). The ids are the same either way. The tokenizer is part of the operator's
-identity (a hash of its JSON), so a checkpoint taken with one tokenizer is refused under another.
+once) where the tokenizer allows it, else with one batched call of the tokenizer itself (HF
+`tokenizers`' `encode_batch` or tiktoken's `encode_ordinary_batch`, `zephon.ops.encoders`). The
+ids are the same either way. The tokenizer is part of the operator's identity (a hash of its JSON;
+a tiktoken encoding's name and a hash of its ranks), so a checkpoint taken with one tokenizer is
+refused under another.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
@@ -22,6 +22,7 @@ import numpy as np
 from zephon.columns import objects
 from zephon.errors import DecodeError, PlanError
 from zephon.ops.base import Transform, fn_name
+from zephon.ops.encoders import HFEncoder, TiktokenEncoder, encoder
 from zephon.ops.pretokens import PretokenCache, ineligible
 from zephon.plan import Refs
 from zephon.sources.base import Columns
@@ -29,31 +30,15 @@ from zephon.sources.base import Columns
 log = logging.getLogger(__name__)
 
 
-def _load_hf(spec: Any) -> Any:
-    try:
-        import tokenizers
-    except ImportError as e:  # pragma: no cover - the [lm] extra
-        raise PlanError("Tokenize needs Hugging Face `tokenizers`: pip install 'zephon-loader[lm]'") from e
-    if isinstance(spec, tokenizers.Tokenizer):
-        return spec
-    path = os.fspath(spec)
-    if not os.path.exists(path):
-        raise PlanError(f"no tokenizer file at {path}; pass the path of a tokenizer.json (there is no "
-                        "model hub here: train one with zephon.textdata.train_bpe and save it).")
-    try:
-        return tokenizers.Tokenizer.from_file(path)
-    except Exception as e:
-        raise PlanError(f"{path} is not a tokenizers JSON file ({e}); save one with "
-                        "Tokenizer.save(path).") from e
-
-
 @dataclass(frozen=True, eq=False)
 class Tokenize(Transform):
     """Encodes column `field` (str or UTF-8 bytes) into int32 ids in column `output`.
 
     Args:
-      tokenizer: a `tokenizers.Tokenizer`, the path of a `tokenizer.json`, or any callable
-        `str -> sequence of ints` (then give `name=` and bump `version=` when it changes).
+      tokenizer: a `tokenizers.Tokenizer`, the path of a `tokenizer.json`, a `tiktoken.Encoding`
+        (`encode_ordinary`: special tokens' text is plain text; a tiktoken BPE file loads with
+        `zephon.ops.encoders.load_tiktoken_file`), or any callable `str -> sequence of ints`
+        (then give `name=` and bump `version=` when it changes).
       field: the text column; output: the token column (object array of int32 arrays).
       bos, eos: ids added at the start / end of every document (None: not added).
       max_tokens: longest document kept whole; longer ones are `split` into pieces of at most
@@ -61,8 +46,9 @@ class Tokenize(Transform):
         to column `truncated`). None: no limit (packing splits long documents itself).
       keep_text: keep the text column next to the tokens.
       cache: pieces kept by the exact pre-token cache (`zephon.ops.pretokens`), which encodes
-        GPT-2-style byte-level BPE several times faster than `encode_batch` with the same ids;
-        0 turns it off. Tokenizers it cannot serve exactly are used as they are.
+        regex-split byte-level BPE (GPT-2, cl100k, o200k, Llama 3, Qwen2; HF or tiktoken) faster
+        than the tokenizer's batched encode with the same ids; 0 turns it off. Tokenizers it
+        cannot serve exactly are used as they are (`pretokens.ineligible` says why).
     """
 
     tokenizer: Any
@@ -86,42 +72,32 @@ class Tokenize(Transform):
         if isinstance(self.cache, bool) or not isinstance(self.cache, int) or self.cache < 0:
             raise PlanError(f"Tokenize.cache must be a number of pieces >= 0 (0: off), got {self.cache!r}")
         object.__setattr__(self, "_cache", None)
-        if callable(self.tokenizer) and not hasattr(self.tokenizer, "encode_batch"):
-            object.__setattr__(self, "_json", None)
-            object.__setattr__(self, "_hf", None)
-        else:
-            tok = _load_hf(self.tokenizer)
-            object.__setattr__(self, "_json", tok.to_str())
-            object.__setattr__(self, "_hf", tok)
+        plain = (callable(self.tokenizer) and not hasattr(self.tokenizer, "encode_batch")
+                 and not type(self.tokenizer).__module__.startswith("tiktoken"))
+        object.__setattr__(self, "_enc", None if plain else encoder(self.tokenizer))
 
-    # the HF tokenizer travels to worker processes as its JSON
+    # the tokenizer travels to worker processes inside its encoder (HF: as its JSON)
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        if d.get("_json") is not None:
+        if d.get("_enc") is not None:
             d["tokenizer"] = None
-            d["_hf"] = None
         d["_cache"] = None  # per process: rebuilt (empty) where the operator runs
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
 
-    def _encoder(self) -> Any:
-        if self._json is None:  # type: ignore[attr-defined]
-            return None
-        if self._hf is None:  # type: ignore[attr-defined]
-            import tokenizers
-
-            object.__setattr__(self, "_hf", tokenizers.Tokenizer.from_str(self._json))  # type: ignore[attr-defined]
-        return self._hf  # type: ignore[attr-defined]
+    def _encoder(self) -> HFEncoder | TiktokenEncoder | None:
+        return self._enc  # type: ignore[attr-defined]
 
     def _pretokens(self) -> PretokenCache | None:
         """The pre-token cache, if it is on and can serve this tokenizer exactly."""
-        if self._cache is None and self.cache and self._json is not None:  # type: ignore[attr-defined]
-            why = ineligible(self._json)  # type: ignore[attr-defined]
+        enc = self._encoder()
+        if self._cache is None and self.cache and enc is not None:  # type: ignore[attr-defined]
+            why = ineligible(enc)
             if why is not None:
                 log.debug("Tokenize: no pre-token cache for this tokenizer: %s", why)
-            object.__setattr__(self, "_cache", False if why else PretokenCache(self._encoder(), self.cache))
+            object.__setattr__(self, "_cache", False if why else PretokenCache(enc, self.cache))
         return self._cache or None  # type: ignore[attr-defined]
 
     @property
@@ -136,14 +112,14 @@ class Tokenize(Transform):
     def op_name(self) -> str:
         if self.name:
             return self.name
-        return "Tokenize" if self._json is not None else f"Tokenize({fn_name(self.tokenizer)})"  # type: ignore[attr-defined]
+        return "Tokenize" if self._encoder() is not None else f"Tokenize({fn_name(self.tokenizer)})"
 
     def config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {"field": self.field, "output": self.output, "bos": self.bos,
                                "eos": self.eos, "max_tokens": self.max_tokens,
                                "overflow": self.overflow, "keep_text": self.keep_text, **self.params}
-        if self._json is not None:  # type: ignore[attr-defined]
-            cfg["tokenizer_sha256"] = hashlib.sha256(self._json.encode()).hexdigest()[:16]  # type: ignore[attr-defined]
+        if (enc := self._encoder()) is not None:
+            cfg.update(enc.identity())
         return cfg
 
     def _texts(self, cols: Columns, refs: Refs) -> list[str]:
@@ -170,8 +146,8 @@ class Tokenize(Transform):
         cache = self._pretokens()
         if cache is not None:
             ids = cache.encode(texts)
-        elif (hf := self._encoder()) is not None:
-            ids = PretokenCache.hf(hf, texts)
+        elif (enc := self._encoder()) is not None:
+            ids = enc.encode(texts)
         else:
             ids = [np.array(list(self.tokenizer(t)), dtype=np.int32) for t in texts]
         head = [self.bos] if self.bos is not None else []
@@ -181,7 +157,20 @@ class Tokenize(Transform):
         return [np.concatenate([np.array(head, np.int32), x, np.array(tail, np.int32)]) for x in ids]
 
     def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, np.ndarray | None]:
-        toks = self.encode(self._texts(cols, refs))
+        texts = self._texts(cols, refs)
+        try:
+            toks = self.encode(texts)
+        except (TypeError, ValueError) as e:  # e.g. a lone surrogate ("\ud800"): not encodable text
+            for i, text in enumerate(texts):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as u:
+                    raise DecodeError(f"record {int(refs.record[i])} of source {int(refs.source[i])}: "
+                                      f"field {self.field!r} holds a lone surrogate "
+                                      f"({text[max(0, u.start - 10):u.end + 10]!r}), which is not text a "
+                                      "tokenizer can encode; fix the record, or replace it with a Map "
+                                      "(text.encode('utf-8', 'replace').decode()).") from e
+            raise
         rest = {k: v for k, v in cols.items() if k != self.field or self.keep_text}
         m = self.max_tokens
         if m is None or not any(len(t) > m for t in toks):

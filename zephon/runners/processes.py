@@ -91,6 +91,9 @@ class Processes:
     (the worker's traceback is chained); a worker that dies raises `WorkerError`.
     """
 
+    #: Work is pickled to the workers (a Loader checks its operators pickle when it is built).
+    pickles = True
+
     def __init__(self, workers: int | None = None, *, depth: int | None = None,
                  start_method: str | None = None, timeout: float | None = None) -> None:
         self.workers = check_positive_int(available_cores() if workers is None else workers, "processes(workers)")
@@ -241,6 +244,11 @@ class Processes:
         slot, fresh = self._pool.acquire(), self._pool.fresh_name()
         retired = tuple(self._pool.retired[w.retired_seen:])
         w.retired_seen = len(self._pool.retired)
+        seen = min(x.retired_seen for x in self._workers)
+        if seen:  # every worker was told: forget them (the list would grow for the whole run)
+            del self._pool.retired[:seen]
+            for x in self._workers:
+                x.retired_seen -= seen
         w.mapped.difference_update(retired)
         lend = slot is not None and slot.name not in w.mapped
         w.inflight.append(_Task(index, slot, fresh))

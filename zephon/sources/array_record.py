@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceError
+from ..storage import Blob
+from .array_record_remote import pin, ranged_reader
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
@@ -34,20 +36,63 @@ _FILE_READER_BUFFER_SIZE = 32768
 WRITER_OPTIONS = "group_size:1"
 
 
+# The C++ reader works on a process-wide thread pool. `os.fork()` copies that pool into the
+# child without its threads, and with any lock one of them held at that instant. Measured with a
+# thread reading while the parent forks: a child's reads blocked forever in a futex in 2 of 60
+# forks, in the reader's constructor (a new reader of the child's own) — and still 1 in 60 with
+# every read quiesced across the fork and the child's readers kept off the pool
+# (`max_parallelism:0`). Nothing a child can do is safe, so a process forked from one that opened
+# ArrayRecord readers refuses to read, saying how to start workers instead.
+_state = {"opened": False, "forked": False}
+
+
+def _after_fork_in_child() -> None:
+    if _state["opened"]:
+        _state["forked"] = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def readers_opened() -> bool:
+    """Whether this process opened ArrayRecord readers (so its forked children must not read:
+    start workers with 'forkserver' or 'spawn')."""
+    return _state["opened"]
+
+
+def _refuse_after_fork(path: str) -> None:
+    if _state["forked"]:
+        raise SourceError(
+            f"cannot read {path} in a process forked (os.fork) from one that had opened ArrayRecord "
+            "readers: the reader's thread pool and its locks do not survive a fork, and a read here "
+            "can block forever. Start worker processes with 'forkserver' or 'spawn' instead: "
+            "torch DataLoader(..., multiprocessing_context='forkserver'), "
+            "multiprocessing.set_start_method('forkserver'); zephon.runners.processes() uses "
+            "forkserver by default.")
+
+
 def _module() -> Any:
     from array_record.python import array_record_module
 
     return array_record_module
 
 
-def _open_reader(path: str, options: str) -> Any:
+def _open_reader(path: str, options: str, blob: Blob | None = None) -> Any:
     """Opens a reader, turning the reader's silent failure mode into an error.
+
+    An object in a bucket (`blob`) is read by byte ranges through `zephon.storage` instead
+    (array_record_remote.py): ArrayRecord's reader reads no s3:// and may hang on gs://.
 
     ArrayRecordReader never raises on open: on a missing, truncated or corrupt file it returns
     a reader with `ok() == False` and `num_records() == 0`, and some such readers then return
     empty records instead of raising. The sequential `read()` is the one call that reports the
     reader's status message, so it supplies the reason.
     """
+    _refuse_after_fork(path)
+    _state["opened"] = True
+    if blob is not None:
+        return ranged_reader(blob)
     reader = _module().ArrayRecordReader(path, options,
                                          file_reader_buffer_size=_FILE_READER_BUFFER_SIZE)
     if reader.ok():
@@ -64,8 +109,8 @@ def _open_reader(path: str, options: str) -> Any:
                       "original) before reading.")
 
 
-def _count_records(path: str, options: str) -> int:
-    reader = _open_reader(path, options)
+def _count_records(path: str, options: str, blob: Blob | None = None) -> int:
+    reader = _open_reader(path, options, blob)
     try:
         return int(reader.num_records())
     finally:
@@ -85,8 +130,9 @@ def _warn_group_size(path: str, reader: Any) -> None:
 class ArrayRecordSource(FileHandles):
     """Random-access records from ArrayRecord files, decoded by `spec`.
 
-    Readers are opened lazily and are never pickled, and a forked child opens its own, so the
-    source can be shipped to worker processes as is.
+    Readers are opened lazily and are never pickled, so the source can be shipped to worker
+    processes started with 'forkserver' or 'spawn' as is. A process forked from one that opened
+    readers refuses to read (a `SourceError` saying so): the C++ reader can block forever there.
 
     Each shard's identity (inode, size, mtime) is recorded here and checked after every read and
     on every read error: ArrayRecord's reader returns empty records from a file rewritten under
@@ -102,8 +148,11 @@ class ArrayRecordSource(FileHandles):
         self.spec: RecordSpec = spec if spec is not None else RawBytes()
         self.reader_options = reader_options
         # The only per-file work before the first read: each file's footer, for its count, on a
-        # few threads; readers for reading open lazily, for the shards a read touches.
-        counts = np.array(map_files(lambda p: _count_records(p, reader_options), self.paths),
+        # few threads; readers for reading open lazily, for the shards a read touches. Objects
+        # are pinned here: every process this source is shipped to reads this version.
+        self._blobs = map_files(pin, self.paths)
+        blobs = dict(zip(self.paths, self._blobs))
+        counts = np.array(map_files(lambda p: _count_records(p, reader_options, blobs[p]), self.paths),
                           dtype=np.int64)
         self._ends = np.cumsum(counts)
         self._starts = self._ends - counts
@@ -124,6 +173,7 @@ class ArrayRecordSource(FileHandles):
 
     def _reader(self, shard: int) -> Any:
         if self._pid != os.getpid():  # forked: the parent's readers are not ours to share
+            _refuse_after_fork(self.paths[shard])
             self._reset()
         reader = self._readers[shard]
         if reader is None:
@@ -133,7 +183,8 @@ class ArrayRecordSource(FileHandles):
                     err = changed(self.paths[shard], self._stamps[shard], "ArrayRecordSource")
                     if err is not None:
                         raise err
-                    reader = _open_reader(self.paths[shard], self.reader_options)
+                    reader = _open_reader(self.paths[shard], self.reader_options,
+                                          self._blobs[shard])
                     _warn_group_size(self.paths[shard], reader)
                     self._readers[shard] = reader
         return reader

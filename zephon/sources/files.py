@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import SourceError
+from ..storage.url import is_remote
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,15 @@ class FileStamp:
         return f"inode {self.ino}, {self.size} bytes, mtime {self.mtime_ns / 1e9:.6f}"
 
 
+#: What a URL's stamp is: objects are pinned by version in `zephon.storage` (If-Match on every
+#: read), so the stat-based checks here do not apply to them.
+REMOTE = FileStamp(-1, -1, -1, -1)
+
+
 def stamp(path: str, kind: str) -> FileStamp:
     """The identity of `path` now (raises SourceError naming it if it cannot be stat'ed)."""
+    if is_remote(path):
+        return REMOTE
     try:
         st = os.stat(path)
     except OSError as e:
@@ -41,6 +49,8 @@ def stamp(path: str, kind: str) -> FileStamp:
 
 def changed(path: str, recorded: FileStamp, kind: str) -> SourceError | None:
     """A SourceError describing how `path` changed since `recorded`, or None if it did not."""
+    if recorded == REMOTE:
+        return None
     try:
         st = os.stat(path)
     except FileNotFoundError:

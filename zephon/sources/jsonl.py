@@ -12,10 +12,8 @@ read touched, and so of the number of ranks.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import threading
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -23,9 +21,14 @@ import numpy as np
 
 from ..columns import flatten, objects, stack
 from ..errors import DecodeError, SourceError
+from ..jsondoc import loads
+from ..storage import is_remote, open_blob
+from .array_record_remote import pin
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
-from .handles import FileHandles
+from .handles import MAX_OPEN_FILES, FileHandles, OpenFiles, open_error
+from .jsonl_remote import head as remote_head
+from .jsonl_remote import remote_line_spans
 from .jsonl_schema import KINDS, checker, hint, kind_of, merge, short, validate_schema
 from .parallel import map_files
 from .paths import Paths, expand_paths
@@ -61,8 +64,11 @@ def _line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
 def _foreign(path: str) -> str:
     """' It looks like <format>, not JSON Lines.' for a binary file, else ''."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
+        if is_remote(path):
+            head = remote_head(open_blob(path))
+        else:
+            with open(path, "rb") as f:
+                head = f.read(4096)
     except OSError:
         return ""
     if head.startswith(b"\x80"):
@@ -82,6 +88,18 @@ def _foreign(path: str) -> str:
     return f" It looks like {what}, not JSON Lines."
 
 
+def _surrogate(flat: Mapping[str, Any]) -> str | None:
+    """The first field whose text (or a text in its list) holds a lone surrogate, or None."""
+    for name, value in flat.items():
+        for text in value if type(value) is list else (value,):
+            if type(text) is str and not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    return name
+    return None
+
+
 class JsonlSource(FileHandles):
     """One JSON object per line; files are concatenated in order into one record numbering.
 
@@ -90,27 +108,36 @@ class JsonlSource(FileHandles):
     of every other file is checked against it at construction). `src.schema` shows it: pass it back as
     `schema=` to pin it. Every line read must have exactly the schema's fields with values of
     their kinds. Columns: int -> int64, float -> float64, bool -> bool, str/any -> object;
-    lists stack to a 2-D array when the rows of a read agree in length — name variable-length
-    fields in `ragged` to get object arrays in every read.
+    a list field is a 2-D array of its element type in every read, and a line whose list has
+    another length is a `DecodeError` — unless the field is ragged: named in `ragged`, or (with
+    an inferred schema) of varying length in the inferred lines; ragged fields are object arrays
+    in every read.
 
     Each file's identity (inode, size, mtime) is checked after every read: a file rewritten
     under a running job is a `SourceError` naming it.
     """
 
-    _transient = ("_fds", "_lock", "_checks")
+    _transient = ("_files", "_checks")
 
     def __init__(self, paths: Paths, ragged: Collection[str] = (), *,
                  schema: Mapping[str, str] | None = None,
-                 infer_records: int = INFER_RECORDS) -> None:
+                 infer_records: int = INFER_RECORDS, max_open_files: int = MAX_OPEN_FILES) -> None:
         self.paths = expand_paths(paths, "JsonlSource")
         self._stamps: list[FileStamp] = [stamp(p, "JsonlSource") for p in self.paths]
+        self._blobs = map_files(pin, self.paths)  # objects: version pinned for every process
         self.ragged = frozenset(ragged)
-        spans = map_files(_line_spans, self.paths)  # every file's line index, on a few threads
+        blobs = dict(zip(self.paths, self._blobs))
+
+        def line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
+            blob = blobs[path]
+            return _line_spans(path) if blob is None else remote_line_spans(blob)
+
+        spans = map_files(line_spans, self.paths)  # every file's line index, on a few threads
         self._file_ends = np.cumsum([len(s) for s, _ in spans])
         self._starts = np.concatenate([s for s, _ in spans])
         self._ends = np.concatenate([e for _, e in spans])
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self.max_open_files = max_open_files
+        self._files = OpenFiles(max_open_files, os.close)  # descriptors, at most max_open_files
         self._what = repr(self)  # as_indices names the source; repr is too slow per read
         if schema is not None:
             self.schema = validate_schema(schema)
@@ -146,6 +173,7 @@ class JsonlSource(FileHandles):
         left for `read` to report."""
         kinds: dict[str, str] = {}
         first_seen: dict[str, int] = {}
+        lengths: dict[str, set[int]] = {}  # list fields: the lengths the inferred lines have
         keys: tuple[str, ...] | None = None
         first_record, problem = -1, ""
         odd: list[str] = []
@@ -156,9 +184,10 @@ class JsonlSource(FileHandles):
         if first_file < len(self.paths):
             window = min(window, int(self._file_ends[first_file]) - begin)
         self._infer_end = begin + window
-        for record in range(begin, begin + window):
+        lines = self._fetch_lines(np.arange(begin, begin + window), [first_file] * max(window, 0))
+        for record, line in zip(range(begin, begin + window), lines):
             try:
-                row = self._parse(record)
+                row = self._parse(record, line=line)
             except DecodeError as e:
                 problem = problem or str(e)
                 continue
@@ -181,6 +210,8 @@ class JsonlSource(FileHandles):
                     continue
                 first_seen.setdefault(name, record)
                 kinds[name] = merged
+                if type(value) is list:
+                    lengths.setdefault(name, set()).add(len(value))
         if keys is None:
             if not window:
                 self._schema_origin = "empty files"
@@ -191,6 +222,9 @@ class JsonlSource(FileHandles):
                               f"{_foreign(path)} Pass JSON Lines files.")
         self._schema_origin = (f"the schema inferred from {self._where(first_record)} .. line "
                                f"{self._line_number(begin + window - 1)}")
+        # Lists whose length varies in the inferred lines are ragged in every read (object
+        # arrays), not 2-D in the reads whose lines happen to agree.
+        self.ragged = self.ragged | {k for k, n in lengths.items() if len(n) > 1}
         schema = {}
         for name in keys:
             kind = kinds.get(name, "any")  # null in every inferred line: no type to check
@@ -247,30 +281,26 @@ class JsonlSource(FileHandles):
         return f"JsonlSource({self._head()})"
 
     def _reset(self) -> None:
-        self._fds = {}
-        self._lock = threading.Lock()
+        self._files = OpenFiles(self.max_open_files, os.close)
         self._compile()
 
     def _close_fds(self) -> None:
-        fds, self._fds = getattr(self, "_fds", {}), {}
-        for fd in fds.values():
-            os.close(fd)
+        files = getattr(self, "_files", None)
+        if files is not None:
+            files.close_all()
 
     def __del__(self) -> None:
         self._close_fds()
 
-    def _fd(self, file: int) -> int:
-        """One descriptor per file, shared by threads: pread has no file position to race on."""
-        fd = self._fds.get(file)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(file)
-                if fd is None:
-                    err = changed(self.paths[file], self._stamps[file], "JsonlSource")
-                    if err is not None:  # never read another version of the file
-                        raise err
-                    fd = self._fds[file] = os.open(self.paths[file], os.O_RDONLY)
-        return fd
+    def _open_fd(self, file: int) -> int:
+        """A descriptor of `file` (shared by threads: pread has no file position to race on)."""
+        err = changed(self.paths[file], self._stamps[file], "JsonlSource")
+        if err is not None:  # never read another version of the file
+            raise err
+        try:
+            return os.open(self.paths[file], os.O_RDONLY)
+        except OSError as e:
+            raise open_error(self.paths[file], e, "JsonlSource", self.max_open_files) from e
 
     def _file_of(self, record: int) -> int:
         return int(np.searchsorted(self._file_ends, record, side="right"))
@@ -278,6 +308,10 @@ class JsonlSource(FileHandles):
     def _line_number(self, record: int) -> int:
         """1-based line number in its file (error path only: it rescans the file's prefix)."""
         remaining, count = int(self._starts[record]), 1
+        blob = self._blobs[self._file_of(record)]
+        if blob is not None:  # an object: its non-empty lines are what the index counts
+            first = int(self._file_ends[self._file_of(record) - 1]) if self._file_of(record) else 0
+            return record - first + 1
         with open(self.paths[self._file_of(record)], "rb") as f:
             while remaining > 0:
                 chunk = f.read(min(remaining, _SCAN_CHUNK))
@@ -291,17 +325,24 @@ class JsonlSource(FileHandles):
         path = self.paths[self._file_of(record)]
         return f"{path}: line {self._line_number(record)} (record {record})"
 
-    def _parse(self, record: int, file: int | None = None) -> dict[str, Any]:
+    def _parse(self, record: int, file: int | None = None,
+               line: bytes | None = None) -> dict[str, Any]:
         file = self._file_of(record) if file is None else file
         start, end = int(self._starts[record]), int(self._ends[record])
-        line = os.pread(self._fd(file), end - start, start)
+        if line is None:
+            blob = self._blobs[file]
+            if blob is None:
+                with self._files.use(file, lambda: self._open_fd(file)) as fd:
+                    line = os.pread(fd, end - start, start)
+            else:
+                line = blob.read(start, end - start)
         if len(line) != end - start:
             err = changed(self.paths[file], self._stamps[file], "JsonlSource")
             raise SourceError(f"{self._where(record)}: file is shorter than when it was "
                               "indexed; it changed after the source was built. Rebuild the "
                               "source after the file is complete.") from err
         try:
-            row = json.loads(line)
+            row = loads(line)
         except UnicodeDecodeError as e:
             raise DecodeError(f"{self._where(record)}: not UTF-8 text (byte 0x{line[e.start]:02x} "
                               f"at column {e.start + 1}); JSON Lines files must be UTF-8. "
@@ -313,6 +354,12 @@ class JsonlSource(FileHandles):
         if not isinstance(row, dict):
             raise DecodeError(f"{self._where(record)}: is a JSON {type(row).__name__}, but "
                               "each line must be a JSON object (field name -> value).")
+        if b"\\ud" in line.lower() or b"\xed" in line:  # a surrogate escape, or one in UTF-8 bytes
+            name = _surrogate(flatten(row))
+            if name is not None:
+                raise DecodeError(f"{self._where(record)}: field {name!r} holds a lone surrogate (a "
+                                  "\\ud800-\\udfff escape without its pair), which is not text: "
+                                  "fix that line (its writer cut a UTF-16 pair in two).")
         return row
 
     # --- reading -------------------------------------------------------------------------------
@@ -320,8 +367,9 @@ class JsonlSource(FileHandles):
         idx = as_indices(indices, len(self), self._what)
         files = np.searchsorted(self._file_ends, idx, side="right").tolist()
         try:
-            rows = [self._check(record, self._parse(record, file))
-                    for record, file in zip(idx.tolist(), files)]
+            lines = self._fetch_lines(idx, files)
+            rows = [self._check(record, self._parse(record, file, line))
+                    for record, file, line in zip(idx.tolist(), files, lines)]
         except DecodeError as e:  # a bad line, or a file rewritten under us?
             for f in sorted(set(files)):
                 err = changed(self.paths[f], self._stamps[f], "JsonlSource")
@@ -332,6 +380,21 @@ class JsonlSource(FileHandles):
         check_unchanged(self.paths, self._stamps, sorted(set(files)), "JsonlSource")
         return {name: self._column(name, kind, [row[name] for row in rows], idx)
                 for name, kind in self.schema.items()}
+
+    def _fetch_lines(self, idx: np.ndarray, files: list[int]) -> list[bytes | None]:
+        """The lines of objects, fetched together (concurrently, nearby lines merged); None for
+        lines of local files, which `_parse` preads."""
+        lines: list[bytes | None] = [None] * len(idx)
+        for f in sorted({f for f in files if self._blobs[f] is not None}):
+            blob = self._blobs[f]
+            assert blob is not None
+            pos = [i for i, g in enumerate(files) if g == f]
+            rec = idx[pos]
+            got = blob.read_ranges(list(zip(self._starts[rec].tolist(),
+                                            (self._ends[rec] - self._starts[rec]).tolist())))
+            for i, data in zip(pos, got):
+                lines[i] = data
+        return lines
 
     def _column(self, name: str, kind: str, values: list[Any], idx: np.ndarray) -> np.ndarray:
         if not values:
@@ -348,9 +411,24 @@ class JsonlSource(FileHandles):
                 raise DecodeError(f"{self._where(int(idx[bad]))}: field {name!r} is {values[bad]}, "
                                   "beyond int64; store it as a string, or pass "
                                   f"schema={{{name!r}: 'any'}}.") from None
-        arr = stack(values)
-        if arr.dtype != object and kind in ("list[int]", "list[float]", "list[bool]"):
-            arr = arr.astype({"list[int]": np.int64, "list[float]": np.float64,
-                              "list[bool]": np.bool_}[kind], copy=False)
-        return arr
+        # A list field not named in `ragged` is a 2-D column of the schema's element type in
+        # every read; a read that cannot give one is refused, never turned into objects (its dtype
+        # would then depend on which lines the read touched).
+        n = len(values[0])
+        odd = next((i for i, v in enumerate(values) if len(v) != n), None)
+        if odd is not None:
+            raise DecodeError(f"{self._where(int(idx[odd]))}: field {name!r} has {len(values[odd])} "
+                              f"elements but {self._where(int(idx[0]))} has {n}; a list field has one "
+                              f"length in every line unless it is ragged: pass ragged=[{name!r}] "
+                              "(object arrays in every read), or fix the data.")
+        element = {"list[int]": np.int64, "list[float]": np.float64, "list[bool]": np.bool_}.get(kind)
+        if element is None:
+            return stack(values)
+        try:
+            return np.array(values, dtype=element).reshape(len(values), n)
+        except (OverflowError, ValueError, TypeError):
+            bad = next((i for i, v in enumerate(values) if any(not -2**63 <= x < 2**63 for x in v)), 0)
+            raise DecodeError(f"{self._where(int(idx[bad]))}: field {name!r} holds a number beyond "
+                              f"{kind[5:-1]}64 ({short(values[bad])}); store such values as strings, or "
+                              f"pass schema={{{name!r}: 'list'}} (an object column).") from None
 

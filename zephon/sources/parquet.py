@@ -12,6 +12,7 @@ the window's order. The emitted order never depends on this grouping.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -23,10 +24,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import DecodeError, SourceError
+from .array_record_remote import pin
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
-from .handles import FileHandles
+from .handles import MAX_OPEN_FILES, FileHandles, OpenFiles, open_error
 from .parallel import map_files
+from .parquet_remote import open_ranged_parquet
 from .paths import Paths, expand_paths
 
 log = logging.getLogger(__name__)
@@ -55,20 +58,30 @@ class ParquetSource(FileHandles):
     under a running job is a `SourceError`, never rows mixed from two versions.
     """
 
-    _transient = ("_local", "_cache", "_cache_lock", "_pool", "_pid")
+    _transient = ("_handles", "_cache", "_cache_lock", "_pool", "_pid")
 
     def __init__(self, paths: Paths, columns: Sequence[str] | None = None, *,
                  list_lengths: Mapping[str, int] | None = None, cache_row_groups: int = 4,
-                 decode_threads: int | None = None, verify_checksums: bool = True) -> None:
+                 decode_threads: int | None = None, verify_checksums: bool = True,
+                 max_open_files: int = MAX_OPEN_FILES) -> None:
         self.paths = expand_paths(paths, "ParquetSource")
         self.verify_checksums = bool(verify_checksums)
         self._stamps: list[FileStamp] = [stamp(p, "ParquetSource") for p in self.paths]
+        self._blobs = map_files(pin, self.paths)  # objects: version pinned for every process
         self.list_lengths = dict(list_lengths or {})
         self.cache_row_groups = cache_row_groups
         self.decode_threads = decode_threads if decode_threads is not None else min(4, _cores())
+        self.max_open_files = max_open_files
         # Footers only, on a few threads; no file stays open (reads reopen a file from its kept
         # footer, which costs no second footer read), so start-up holds no descriptors.
-        self._meta: list[Any] = map_files(self._footer, self.paths)
+        blobs = dict(zip(self.paths, self._blobs))
+
+        def footer(path: str) -> Any:
+            blob = blobs[path]  # objects: by ranges
+            return self._footer(path) if blob is None else \
+                open_ranged_parquet(blob, self.verify_checksums).metadata
+
+        self._meta: list[Any] = map_files(footer, self.paths)
         first = self._meta[0]
         schema = first.schema.to_arrow_schema()
         self.columns = list(columns) if columns is not None else list(schema.names)
@@ -111,6 +124,7 @@ class ParquetSource(FileHandles):
             with pa.OSFile(path) as f:  # no filesystem resolution per file: ~1/3 faster
                 return pq.ParquetFile(f).metadata
         except (OSError, pa.ArrowException, ValueError) as e:
+            _raise_if_emfile(path, e)
             raise SourceError(f"Parquet file {path!r} cannot be opened: {e}. It is truncated, "
                               "corrupt or not Parquet; rewrite it before reading.") from e
 
@@ -126,13 +140,14 @@ class ParquetSource(FileHandles):
                                   metadata=metadata)
         except (OSError, pa.ArrowException, ValueError) as e:  # ValueError: a damaged footer's
             # column names are not UTF-8
+            _raise_if_emfile(path, e)
             raise SourceError(f"Parquet file {path!r} cannot be opened: {e}. It is truncated, "
                               "corrupt or not Parquet; rewrite it before reading.") from e
 
     def _reset(self) -> None:
         # A ParquetFile is not safe to read from two threads, so each thread opens its own
-        # (opening a file reads only its footer).
-        self._local = threading.local()
+        # (from its kept footer); at most max_open_files of them stay open.
+        self._handles = OpenFiles(self.max_open_files, lambda f: f.close())
         self._cache: OrderedDict[int, Columns] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -146,16 +161,13 @@ class ParquetSource(FileHandles):
                 self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="zephon-parquet")
             return self._pool
 
-    def _file(self, index: int) -> Any:
-        files = getattr(self._local, "files", None)
-        if files is None:
-            files = self._local.files = [None] * len(self.paths)
-        if files[index] is None:
-            err = changed(self.paths[index], self._stamps[index], "ParquetSource")
-            if err is not None:  # never read the footer of another version of the file
-                raise err
-            files[index] = self._open(self.paths[index], self.verify_checksums, self._meta[index])
-        return files[index]
+    def _opened(self, index: int) -> Any:
+        err = changed(self.paths[index], self._stamps[index], "ParquetSource")
+        if err is not None:  # never read the footer of another version of the file
+            raise err
+        blob = self._blobs[index]
+        return self._open(self.paths[index], self.verify_checksums, self._meta[index]) \
+            if blob is None else open_ranged_parquet(blob, self.verify_checksums, self._meta[index])
 
     def __len__(self) -> int:
         return int(self._group_ends[-1]) if len(self._group_ends) else 0
@@ -218,8 +230,11 @@ class ParquetSource(FileHandles):
         file, local = int(self._group_file[group]), int(self._group_local[group])
         path, first = self.paths[file], int(self._group_starts[group])
         try:
-            table = self._file(file).read_row_group(local, columns=self.columns, use_threads=False)
+            with self._handles.use((threading.get_ident(), file), lambda: self._opened(file)) as pf:
+                table = pf.read_row_group(local, columns=self.columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:
+            if isinstance(e, SourceError):  # the storage layer's own error names the object
+                raise
             err = changed(path, self._stamps[file], "ParquetSource")
             if err is not None:  # not corrupt: rewritten under us
                 raise err from e
@@ -243,11 +258,19 @@ class ParquetSource(FileHandles):
         return decoded
 
     def _convert(self, table: Any, locate: Callable[[int], str]) -> Columns:
+        import pyarrow as pa
+
         out: Columns = {}
         for name, column in zip(table.column_names, table.columns):
-            _convert_array(name, column.combine_chunks(), self.list_lengths.get(name), locate, out)
+            arr = column.combine_chunks()
+            try:
+                _convert_array(name, arr, self.list_lengths.get(name), locate, out)
+            except pa.ArrowException as e:  # e.g. text that is not UTF-8 in a file without checksums
+                raise DecodeError(f"{_bad_row(name, arr, locate)}: column {name!r} cannot be decoded "
+                                  f"({str(e).strip()}); the file holds damaged or mistyped data. "
+                                  "Rewrite it (write_parquet adds page checksums), or leave the "
+                                  "column out with `columns=`.") from e
         return out
-
 
 def _same_schema(a: Any, b: Any) -> bool:
     """Whether two footers give the same Arrow schema: the same Parquet schema and the same
@@ -256,6 +279,12 @@ def _same_schema(a: Any, b: Any) -> bool:
         return False
     key = b"ARROW:schema"
     return bool((a.metadata or {}).get(key) == (b.metadata or {}).get(key))
+
+
+def _raise_if_emfile(path: str, e: Exception) -> None:
+    """Too many open files is named for what it is, not as a corrupt file."""
+    if "Too many open files" in str(e) or getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
+        raise open_error(path, OSError(errno.EMFILE, str(e)), "ParquetSource") from e
 
 
 def _cores() -> int:
@@ -301,6 +330,20 @@ def _convert_array(name: str, arr: Any, list_length: int | None, locate: Callabl
                                     count=len(arr)) if len(arr) else np.empty(0, dtype=object)
     else:
         out[name] = arr.to_numpy(zero_copy_only=False)
+
+
+def _bad_row(name: str, arr: Any, locate: Callable[[int], str]) -> str:
+    """Where the first row of `arr` that does not convert is (error path only: row by row)."""
+    import pyarrow as pa
+
+    for i in range(len(arr)):
+        try:
+            _convert_array(name, arr.slice(i, 1), None, locate, {})
+        except pa.ArrowException:
+            return locate(i)
+        except DecodeError:
+            continue
+    return locate(0).split(": record")[0]
 
 
 def _values(name: str, arr: Any, locate: Callable[[int], str]) -> np.ndarray:

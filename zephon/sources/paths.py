@@ -13,6 +13,7 @@ import re
 from collections.abc import Sequence
 
 from ..errors import SourceError
+from ..storage import url as _url
 
 PathArg = str | os.PathLike[str]
 Paths = PathArg | Sequence[PathArg]
@@ -36,11 +37,11 @@ def expand_paths(paths: Paths, kind: str) -> list[str]:
     subset; globs and `@N` still expand.
     """
     if isinstance(paths, (str, os.PathLike)):
-        return _expand_one(os.fspath(paths), kind, whole_set=True)
+        return _expand_one(_url.local_path(paths), kind, whole_set=True)
     if isinstance(paths, Sequence) and not isinstance(paths, bytes):
         if not paths:
             raise SourceError(f"{kind}: got an empty list of paths; pass at least one file.")
-        return [f for p in paths for f in _expand_one(os.fspath(p), kind, whole_set=False)]
+        return [f for p in paths for f in _expand_one(_url.local_path(p), kind, whole_set=False)]
     raise TypeError(f"{kind}: paths must be a path or a list of paths, got {type(paths).__name__}")
 
 
@@ -50,12 +51,12 @@ def _expand_one(path: str, kind: str, whole_set: bool) -> list[str]:
     if whole_set and (m := _SHARD_NAME.match(path)):
         return _shard_set(path, m["prefix"], int(m["count"]), kind)
     if _GLOB_CHARS.search(path):
-        files = sorted(f for f in glob.glob(path) if os.path.isfile(f))
+        files = _glob(path)
         if not files:
             raise SourceError(f"{kind}: no file matches the pattern {path!r}; check the directory "
                               "and the pattern (globs use *, ? and [..]).")
         return files
-    if not os.path.isfile(path):
+    if not _isfile(path):
         raise SourceError(f"{kind}: file {path!r} does not exist (or is not a regular file); "
                           "expected an existing file, a glob, 'name@N' or 'name-00000-of-0000N'.")
     return [path]
@@ -65,7 +66,11 @@ def _shard_set(pattern: str, prefix: str, count: int, kind: str) -> list[str]:
     if count < 1:
         raise SourceError(f"{kind}: {pattern!r} names {count} shards; a shard set needs >= 1.")
     files = [shard_name(prefix, i, count) for i in range(count)]
-    missing = [f for f in files if not os.path.isfile(f)]
+    if _url.is_remote(prefix):  # one listing instead of a request per shard
+        present = set(_glob(f"{prefix}-?????-of-{count:05d}"))
+        missing = [f for f in files if f not in present]
+    else:
+        missing = [f for f in files if not os.path.isfile(f)]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         shown = ", ".join(missing[:3]) + more
@@ -73,3 +78,20 @@ def _shard_set(pattern: str, prefix: str, count: int, kind: str) -> list[str]:
                           f"shards are missing ({shown}). Expected files {files[0]!r} .. "
                           f"{files[-1]!r}; re-run the writer or fix the shard count.")
     return files
+
+
+def _glob(pattern: str) -> list[str]:
+    """Files (or objects) matching `pattern`, sorted."""
+    if _url.is_remote(pattern):
+        from ..storage import glob as glob_objects
+
+        return glob_objects(pattern)
+    return sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+
+
+def _isfile(path: str) -> bool:
+    if _url.is_remote(path):
+        from ..storage import exists
+
+        return exists(path)
+    return os.path.isfile(path)

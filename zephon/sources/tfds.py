@@ -14,7 +14,9 @@ import numpy as np
 
 from ..columns import flatten, to_columns
 from ..errors import DecodeError, SourceError
+from ..storage.url import is_remote, local_path
 from .base import Columns, as_indices
+from .tfds_remote import RemoteTFDS
 
 
 class TFDSSource:
@@ -33,15 +35,17 @@ class TFDSSource:
         from_name = isinstance(name_or_builder, str)
         if from_name:
             self.name: str = name_or_builder
-            self.data_dir = os.fspath(data_dir) if data_dir is not None else None
+            self.data_dir = local_path(data_dir) if data_dir is not None else None
         elif data_dir is not None:
             raise ValueError("TFDSSource: data_dir applies to a dataset name; a builder already "
                              "knows its data_dir (pass it to the builder instead).")
         else:
             self.name, self.data_dir = name_or_builder.info.full_name, str(name_or_builder.data_dir)
         try:
-            if from_name:
-                self._ds = tfds.data_source(name_or_builder, split=split, data_dir=data_dir,
+            if from_name and self.data_dir is not None and is_remote(self.data_dir):
+                self._ds = RemoteTFDS(name_or_builder, split, self.data_dir, decoders)
+            elif from_name:
+                self._ds = tfds.data_source(name_or_builder, split=split, data_dir=self.data_dir,
                                             download=download, decoders=decoders)
             else:
                 self._ds = name_or_builder.as_data_source(split=split, decoders=decoders)

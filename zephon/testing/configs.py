@@ -1,6 +1,7 @@
 """Configurations: a `Segment` (an emitter, degree, runner, micro-batch count, mesh, workers,
-processes, until a step), a `Config` (segments with a stop/save/resume between them, parsed from
-text like `numpy D=2 @10 -> jax mesh=2x4`) and the default `matrix` of them."""
+processes, global batch size, until a step), a `Config` (segments with a stop/save/resume between
+them, parsed from text like `numpy D=2 @10 -> jax mesh=2x4`, or `... -> numpy D=8 B=64` for a
+resume at another global batch size) and the default `matrix` of them."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class Segment:
     workers: int = 0                # torch DataLoader workers (ZephonDataLoader)
     procs: int = 1                  # local processes (jax.distributed / torch gloo)
     until: int | None = None
+    batch: int | None = None        # resume at this global batch size (allow_batch_change)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -42,6 +44,10 @@ class Segment:
             raise PlanError("procs=2 runs jax (jax.distributed) or torch (gloo) in local processes")
         if self.backend == "jax" and self.world != 1:
             raise PlanError("jax takes its data-parallel degree from the mesh and procs=; drop D=")
+        if self.batch is not None and (not isinstance(self.batch, int) or self.batch < 1):
+            raise PlanError(f"B={self.batch!r} must be a positive integer (a global batch size)")
+        if self.batch is not None and self.procs > 1:
+            raise PlanError("B= (a resume at another global batch size) runs in this process; drop procs=")
         if self.procs > 1 and self.world not in (1, self.procs):
             raise PlanError(f"procs={self.procs} runs one rank per process; drop D= (it is {self.procs})")
 
@@ -66,6 +72,8 @@ class Segment:
             out.append(f"workers={self.workers}")
         if self.micro > 1:
             out.append(f"micro={self.micro}")
+        if self.batch is not None:
+            out.append(f"B={self.batch}")
         if self.until is not None:
             out.append(f"@{self.until}")
         return " ".join(out)
@@ -85,6 +93,15 @@ class Config:
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def changes_batch(self) -> bool:
+        """Whether a segment resumes at another global batch size (`B=`)."""
+        return any(s.batch is not None for s in self.segments)
+
+    def batch_reference(self) -> Config:
+        """numpy D=1 with the same stops and batch sizes: what this configuration must equal."""
+        return Config(tuple(Segment(until=s.until, batch=s.batch) for s in self.segments))
+
     @staticmethod
     def parse(text: str) -> Config:
         """`"numpy D=2 runner=threads:2"`, `"jax mesh=2x4 micro=2"`, `"torch D=2 workers=2"`,
@@ -102,22 +119,25 @@ class Config:
                 key, eq, val = w.partition("=")
                 if not eq:
                     raise PlanError(f"{w!r} in configuration {text!r}: write key=value (D=2, runner=threads:2, "
-                                    "micro=2, mesh=2x4, workers=2, procs=2) or @STEP")
-                key = {"D": "world", "d": "world", "world": "world"}.get(key, key)
+                                    "micro=2, mesh=2x4, workers=2, procs=2, B=64) or @STEP")
+                key = {"D": "world", "d": "world", "world": "world", "B": "batch", "b": "batch"}.get(key, key)
                 if key == "mesh":
                     kw["mesh"] = tuple(_int(x, w, text) for x in val.lower().split("x"))
                 elif key == "runner":
                     kw["runner"] = val
-                elif key in ("world", "micro", "workers", "procs"):
+                elif key in ("world", "micro", "workers", "procs", "batch"):
                     kw[key] = _int(val, w, text)
                 else:
                     raise PlanError(f"unknown option {key!r} in configuration {text!r}; use D, runner, "
-                                    "micro, mesh, workers, procs")
+                                    "micro, mesh, workers, procs, B")
             segs.append(Segment(**kw))
         for s in segs[:-1]:
             if s.until is None:
                 raise PlanError(f"configuration {text!r}: every segment but the last needs @STEP, "
                                 "the step to stop and save at")
+        if segs[0].batch is not None:
+            raise PlanError(f"configuration {text!r}: B= resumes at another global batch size, so it "
+                            "goes on a segment after '->' (the first runs the factory's plan)")
         if segs[-1].until is not None:
             raise PlanError(f"configuration {text!r}: the last segment runs to the end; drop its @STEP")
         stops = [s.until for s in segs[:-1] if s.until is not None]  # all of them (checked above)
@@ -140,7 +160,9 @@ def default_resume(steps: int, backends: Sequence[str] = BACKENDS) -> list[Confi
     """Stops at a third and a half of the run, across degrees and across emitters."""
     a, b = max(1, steps // 3), max(1, steps // 2)
     bk = [x for x in ("numpy", "jax", "torch", "grain") if x in backends] or ["numpy"]
-    texts = [f"numpy D=2 @{a} -> numpy D=8", f"numpy D=8 @{a} -> numpy D=1 @{b} -> numpy D=4 micro=2"]
+    texts = [f"numpy D=2 @{a} -> numpy D=8"]
+    if b > a:  # two stops need two distinct steps (not so in a 2- or 3-step run)
+        texts.append(f"numpy D=8 @{a} -> numpy D=1 @{b} -> numpy D=4 micro=2")
     if "jax" in bk and "torch" in bk:
         texts.append(f"jax mesh=8 @{b} -> torch D=2 micro=2")
     if "torch" in bk and "grain" in bk:
@@ -150,6 +172,21 @@ def default_resume(steps: int, backends: Sequence[str] = BACKENDS) -> list[Confi
     if "torch" in bk:
         texts.append(f"torch D=2 workers=2 @{a} -> numpy D=4")
     return [Config.parse(t) for t in texts if steps > b]
+
+
+def end_resume(end: int, backends: Sequence[str] = BACKENDS) -> list[Config]:
+    """For a finite pipeline of `end` steps: stop two steps before its end, resume at another
+    degree (and emitter), run to the end."""
+    at = end - 2
+    if at < 1:
+        return []
+    bk = [x for x in ("numpy", "torch", "jax") if x in backends] or ["numpy"]
+    texts = [f"numpy D=2 @{at} -> numpy D=8"]
+    if "torch" in bk:
+        texts.append(f"torch D=4 @{at} -> numpy D=1")
+    if "jax" in bk:
+        texts.append(f"numpy D=8 @{at} -> jax mesh=2x4")
+    return [replace(Config.parse(t), note="near the end") for t in texts]
 
 
 def matrix(*, steps: int, backends: Sequence[str] = BACKENDS, degrees: Sequence[int] = (1, 2, 4, 8),

@@ -20,6 +20,7 @@ from zephon.errors import PlanError, ZephonError
 from zephon.exec.loader import Loader
 from zephon.plan import Batch, Node
 from zephon.runners.base import Runner
+from zephon.storage.url import is_remote
 
 
 class FactoryError(ZephonError, ValueError):
@@ -127,6 +128,14 @@ def load_plan(text_or_path: str) -> Batch:
     path = Path(text_or_path)
     if text_or_path.lstrip().startswith("{"):
         text = text_or_path
+    elif is_remote(text_or_path):  # s3:// or gs://: read through zephon.storage
+        from zephon.storage import ObjectMissingError, read_object
+
+        try:
+            text = read_object(text_or_path).decode("utf-8", errors="replace")
+        except ObjectMissingError as e:
+            raise FactoryError(f"{e} Pass a plan's JSON object (plan.canonical_json() written "
+                               "to it) or MODULE:FACTORY.") from None
     elif path.is_file():
         text = path.read_text()
     else:

@@ -15,7 +15,7 @@ import numpy as np
 from zephon.errors import PlanError
 from zephon.exec.loader import LocalBatch
 from zephon.report import Report, RunResult
-from zephon.testing.configs import REFERENCE, Config
+from zephon.testing.configs import BACKENDS, REFERENCE, Config, end_resume
 from zephon.testing.pipeline import Builder, Factory
 from zephon.testing.processes import _run_processes
 from zephon.testing.sessions import _NotApplicable, _session
@@ -34,6 +34,21 @@ class Run:
     dtypes: dict[str, np.dtype] = field(default_factory=dict)
 
 
+#: Optional dependencies a configuration may need, and the extra that installs each: without
+#: it the configuration does not apply here (n/a), it does not differ.
+_EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "grain": "grain", "tokenizers": "lm",
+           "tensorflow_datasets": "tfds", "torchdata": "torch"}
+
+
+def _missing_extra(e: BaseException) -> str | None:
+    """'X is not installed: pip install zephon[extra]' when `e` is an optional dependency that is
+    missing, else None."""
+    if not isinstance(e, ModuleNotFoundError):
+        return None
+    extra = _EXTRAS.get((e.name or "").split(".")[0])
+    return None if extra is None else f"{e.name} is not installed: pip install 'zephon[{extra}]'"
+
+
 def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapping[str, np.dtype] = {},
                keep_batches: bool = False, timeout: float = 600.0, on_step: Callable[[], None] | None = None) -> Run:
     """Runs `config` for `steps` global steps. Raises `_NotApplicable` when it cannot run."""
@@ -41,7 +56,10 @@ def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapp
     state: dict[str, Any] | None = None
     first = builder(config.segments[0].degree, 0)
     run.plan_fingerprint, run.plan_json = first.plan.fingerprint(), first.plan.to_json()
+    batch: int | None = None  # the global batch size a `B=` segment resumed at (and kept)
     for i, seg in enumerate(config.segments):
+        resized = seg.batch is not None and seg.batch != batch
+        batch = seg.batch if seg.batch is not None else batch
         stop = steps if seg.until is None else min(seg.until, steps)
         last = i == len(config.segments) - 1
         if seg.procs > 1:
@@ -51,11 +69,11 @@ def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapp
             run.batches += [None] * len(recs)
             run.excluded |= frozenset(excluded)
             continue
-        sess = _session(builder, seg, ref_dtypes)
+        sess = _session(builder, seg, ref_dtypes, batch)
         try:
             run.excluded |= frozenset(getattr(sess, "excluded", ()))
             if state is not None:
-                sess.restore(state)
+                sess.restore(state, allow_batch_change=resized)
             while len(run.records) < stop:
                 try:
                     out = sess.step()
@@ -122,6 +140,31 @@ def divergence(ref: Run, run: Run) -> tuple[Divergence | None, list[bool]]:
     return found, matches
 
 
+def lane_stream_divergence(ref: Run, run: Run) -> Divergence | None:
+    """Where a lane of `run` (a resume at another batch size) stops continuing the reference's
+    rows of that lane: every lane must emit the same rows in the same order whatever the batch
+    size, so a row skipped or repeated at the resume shows here (None: every lane continued)."""
+    def streams(r: Run) -> dict[int, dict[str, list[tuple[str, int]]]]:
+        out: dict[int, dict[str, list[tuple[str, int]]]] = {}
+        for step, rec in enumerate(r.records):
+            for lane, lr in rec.items():
+                for name, (_, rows) in lr.fields.items():
+                    out.setdefault(lane, {}).setdefault(name, []).extend((d, step) for d in rows)
+        return out
+
+    a, b = streams(ref), streams(run)
+    for lane in sorted(a):
+        for name in sorted(set(a[lane]) - run.excluded):
+            x, y = a[lane][name], b.get(lane, {}).get(name, [])
+            bad = next((j for j in range(min(len(x), len(y))) if x[j][0] != y[j][0]), None)
+            if bad is not None:
+                return Divergence(y[bad][1], lane, None, name,
+                                  f"the {bad}-th row lane {lane} emitted differs from the lane's row "
+                                  "in the reference: the lane did not continue where it stopped at "
+                                  "the change of batch size (a row skipped or repeated)")
+    return None
+
+
 def _reference(builder: Builder, steps: int) -> tuple[Run, dict[str, np.dtype]]:
     ref = run_config(builder, REFERENCE, steps, keep_batches=True)
     if not ref.records:
@@ -130,10 +173,16 @@ def _reference(builder: Builder, steps: int) -> tuple[Run, dict[str, np.dtype]]:
 
 
 def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *,
-           progress: bool = False, name: str | None = None, timeout: float = 600.0) -> Report:
+           progress: bool = False, name: str | None = None, timeout: float = 600.0,
+           near_end: bool = True) -> Report:
     """Runs the reference (numpy, D=1) and every configuration for `steps` steps and reports how
     each compares. Never raises for a difference (see `Report.ok`); raises `FactoryError` /
-    `PlanError` when the pipeline itself cannot be built or run."""
+    `PlanError` when the pipeline itself cannot be built or run.
+
+    A finite pipeline that ends within `steps` is run to its end by every configuration: one
+    that ends at another step, or pads otherwise, differs. With `near_end`, such a pipeline is
+    also stopped two steps before its end and resumed at another degree and emitter
+    (`end_resume`)."""
     builder = factory if isinstance(factory, Builder) else Builder(factory)
     parsed = [Config.parse(c) if isinstance(c, str) else c for c in configs]
     t0 = time.perf_counter()
@@ -150,6 +199,11 @@ def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *
         if bar is not None:
             bar.update(steps)
         ref_fps = [record_fingerprint(r) for r in ref.records]
+        finite = len(ref.records) < steps  # the reference ended: every run must end there too
+        if finite and near_end:
+            parsed += end_resume(len(ref.records), [b for b in BACKENDS if any(
+                seg.backend == b for c in parsed for seg in c.segments)] or ["numpy"])
+        batch_refs: dict[Config, Run] = {}  # numpy D=1 under each set of batch-size changes
         results = [RunResult(REFERENCE.name + " (reference)", "identical", len(ref.records), ref_fps,
                              [True] * len(ref.records), seconds=time.perf_counter() - t)]
         for cfg in parsed:
@@ -164,23 +218,37 @@ def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *
                 if tick is not None:
                     tick()
 
+            base, note = ref, ""
             try:
-                run = run_config(builder, cfg, len(ref.records), ref_dtypes=dtypes, keep_batches=True,
-                                 timeout=timeout, on_step=count)
+                if cfg.changes_batch:  # compared with numpy D=1 under the same changes, whose lanes
+                    key = cfg.batch_reference()  # must continue the reference's rows
+                    if key not in batch_refs:
+                        batch_refs[key] = run_config(builder, key, steps if finite else len(ref.records),
+                                                     ref_dtypes=dtypes, keep_batches=True)
+                    base = batch_refs[key]
+                    note = f"compared with {key.name}"
+                run = run_config(builder, cfg, steps if finite else len(ref.records), ref_dtypes=dtypes,
+                                 keep_batches=True, timeout=timeout, on_step=count)
             except _NotApplicable as e:
                 results.append(RunResult(cfg.name, "n/a", note=str(e), seconds=time.perf_counter() - t))
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:
+                missing = _missing_extra(e)
+                if missing is not None:
+                    results.append(RunResult(cfg.name, "n/a", note=missing, seconds=time.perf_counter() - t))
+                    continue
                 results.append(RunResult(cfg.name, "error", note=f"{type(e).__name__}: {e}",
                                          seconds=time.perf_counter() - t,
                                          detail="".join(traceback.format_exception(e)[-4:])))
             else:
-                div, matches = divergence(ref, run)
+                div, matches = divergence(base, run)
+                if base is not ref:
+                    div = lane_stream_divergence(ref, base) or div
                 fps = [record_fingerprint(r) for r in run.records]
-                note = ""
                 if run.excluded:
-                    note = f"not compared: {', '.join(sorted(run.excluded))} (JAX cannot hold them)"
+                    note = "; ".join(x for x in (note, f"not compared: {', '.join(sorted(run.excluded))} "
+                                                      "(JAX cannot hold them)") if x)
                 results.append(RunResult(cfg.name, "identical" if div is None else "differs",
                                          len(run.records), fps, matches, div, note,
                                          time.perf_counter() - t))

@@ -18,6 +18,7 @@ import numpy as np
 
 from zephon.errors import PlanError
 from zephon.exec.loader import LocalBatch, merge_states
+from zephon.plan import Batch
 from zephon.testing.configs import Segment
 from zephon.testing.pipeline import Builder, Pipeline
 
@@ -73,7 +74,7 @@ class _Session:
 
     has_provenance = False
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
         raise NotImplementedError
 
     def step(self) -> StepOut:
@@ -94,9 +95,9 @@ class _NumpySession(_Session):
         self.loaders = [p.loader(rank=r, world=seg.world, runner=_runner(seg.runner))
                         for r, p in enumerate(pipes)]
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
         for l in self.loaders:
-            l.restore(state)
+            l.restore(state, allow_batch_change=allow_batch_change)
 
     def step(self) -> StepOut:
         batches = [next(l) for l in self.loaders]
@@ -121,9 +122,9 @@ class _GrainSession(_Session):
         self.iters = [zg.Iterator(p.loader(rank=r, world=seg.world, runner=_runner(seg.runner)), batched=True)
                       for r, p in enumerate(pipes)]
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
         for it in self.iters:
-            it.set_state(copy.deepcopy(state))
+            it.set_state(copy.deepcopy(state), allow_batch_change=allow_batch_change)
 
     def step(self) -> StepOut:
         parts = []
@@ -208,9 +209,9 @@ class _TorchSession(_Session):
             self.iters[r] = iter(self.loaders[r])
         return self.iters[r]
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
         for l in self.loaders:
-            l.load_state_dict(_torch_round_trip(state))
+            l.load_state_dict(_torch_round_trip(state), allow_batch_change=allow_batch_change)
         self._drop_iters()
 
     def step(self) -> StepOut:
@@ -282,8 +283,8 @@ class _JaxSession(_Session):
                                 **pipe.backend_kwargs())
         self.owned = pipe.plan.lanes.owned(self.loader.layout.rank, self.loader.layout.world)
 
-    def restore(self, state: dict[str, Any]) -> None:
-        self.loader.restore(state)
+    def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
+        self.loader.restore(state, allow_batch_change=allow_batch_change)
 
     def step(self) -> StepOut:
         arrays = next(self.loader)
@@ -307,10 +308,17 @@ class _JaxSession(_Session):
         self.loader.close()
 
 
-def _session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.dtype]) -> _Session:
-    """The emitter of `seg` over all its ranks. A PlanError while building it (the pipeline built
-    fine for the reference) means this emitter cannot take the pipeline: n/a, with the reason."""
+def _session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.dtype], batch: int | None = None
+             ) -> _Session:
+    """The emitter of `seg` over all its ranks (at global batch size `batch`, if given). A
+    PlanError while building it (the pipeline built fine for the reference) means this emitter
+    cannot take the pipeline: n/a, with the reason."""
     pipes = [builder(seg.degree, r) for r in range(seg.degree if builder.takes_rank else 1)]
+    if batch is not None:
+        try:
+            pipes = [replace(p, plan=Batch(p.plan.lanes, batch)) for p in pipes]
+        except PlanError as e:
+            raise _NotApplicable(str(e)) from e
     try:
         return _make_session(builder, pipes, seg, ref_dtypes)
     except PlanError as e:
@@ -327,10 +335,12 @@ def _make_session(builder: Builder, pipes: list[Pipeline], seg: Segment,
     if seg.micro > 1:
         plan = pipes[0].plan
         shards = math.prod(seg.mesh or (8,)) if seg.backend == "jax" else seg.degree
-        held = plan.size // shards
-        if plan.size % shards == 0 and held % seg.micro:
-            raise _NotApplicable(f"micro={seg.micro} does not divide the {held} row(s) each "
-                                 f"{'device' if seg.backend == 'jax' else 'rank'} holds")
+        for step, size in plan.sizes.stretches():
+            held = size // shards
+            if size % shards == 0 and held % seg.micro:
+                raise _NotApplicable(f"micro={seg.micro} does not divide the {held} row(s) each "
+                                     f"{'device' if seg.backend == 'jax' else 'rank'} holds"
+                                     f"{f' from step {step}' if step else ''}")
     if seg.backend in ("jax", "torch"):
         why = pipes[0].backend_refusal()
         if why:

@@ -1,0 +1,250 @@
+"""Object storage (issue 21): the same data as local files, on s3:// (SeaweedFS) and gs://
+(fake-gcs-server), read through the fault proxy with 0 ms and 20 ms added latency per request.
+
+Data: ArrayRecord 100k x 256 int32 (random, so ~1 KiB a record on disk; 4 shards) and a Parquet
+text corpus (100k documents, row groups of 1000). Plan: global shuffle, 8 lanes, B = 64 and 1024.
+For each (format, storage, latency, B): rows/s over 16384 rows (one loader read-ahead window),
+time to first batch (source construction included: footers, listing, pinning), and bytes
+fetched / bytes needed (needed: the bytes of the format's smallest unit holding the rows read —
+an ArrayRecord chunk, a Parquet row group's column chunks). Baseline "download first": every
+object copied to local disk (what Streaming, litdata and zephon 0.2.0 do), then read locally;
+its time to first batch includes the download.
+
+The time-to-first-batch target (>= 10x shorter than download-first on >= 1 GB) runs on a 1 GiB
+ArrayRecord set (1M x 256 int32) on s3:// and gs:// at 0 ms (--ttfb-gib 0 skips it).
+
+Writes benchmarks/results/storage.json and storage.png. Run under the bench lock:
+  flock /tmp/zephon-bench.lock .venv/bin/python benchmarks/storage.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from zephon import Loader, Source, storage  # noqa: E402
+from zephon.sources import (  # noqa: E402
+    ArrayRecordSource,
+    FixedFields,
+    ParquetSource,
+    write_parquet,
+    write_sharded_array_record,
+)
+from zephon.testing.object_servers import create_bucket, start_fake_gcs, start_seaweedfs  # noqa: E402
+
+BUCKET = "zephon-bench"
+SPEC = FixedFields({"tokens": ("int32", (256,))})
+
+
+def write_data(root: Path, n_ar: int, n_pq: int, shards: int = 4) -> dict[str, str]:
+    rng = np.random.default_rng(0)
+    recs = (rng.integers(0, 50_000, size=(n_ar, 256), dtype=np.int32))
+    write_sharded_array_record(root / "ar", [r.tobytes() for r in recs], shards)
+    if n_pq:
+        words = np.array(["the", "data", "loader", "shard", "object", "storage", "range", "batch"])
+        lens = rng.integers(20, 200, size=n_pq)
+        docs = np.array([" ".join(words[rng.integers(0, 8, size=k)]) for k in lens], dtype=object)
+        write_parquet(root / "text.parquet", {"id": np.arange(n_pq), "text": docs}, row_group_size=1000)
+    return {"ar": f"ar@{shards}", "pq": "text.parquet"}
+
+
+def upload(root: Path, scheme: str, prefix: str) -> float:
+    t0 = time.perf_counter()
+    for f in sorted(root.iterdir()):
+        storage.put_atomic(f"{scheme}://{BUCKET}/{prefix}/{f.name}", f.read_bytes())
+    return time.perf_counter() - t0
+
+
+def make_source(kind: str, base: str, names: dict[str, str]):
+    if kind == "ar":
+        return ArrayRecordSource(f"{base}/{names['ar']}", SPEC)
+    return ParquetSource(f"{base}/{names['pq']}", columns=["text"], cache_row_groups=0)
+
+
+def needed_bytes(kind: str, src, rows: np.ndarray) -> int:
+    """Bytes of the smallest units holding `rows` (see the module doc)."""
+    if kind == "ar":
+        total = 0
+        shard = np.searchsorted(src._ends, rows, side="right")
+        for s in np.unique(shard):
+            local = rows[shard == s] - src._starts[s]
+            r = src._reader(int(s))
+            c = np.unique(np.searchsorted(r.chunk_first, local, side="right") - 1)
+            total += int((r.chunk_end[c] - r.chunk_begin[c]).sum())
+        return total
+    groups = np.unique(np.searchsorted(src._group_ends, rows, side="right"))
+    f = src._file(0)
+    return int(sum(f.metadata.row_group(int(g)).column(f.schema_arrow.get_field_index("text")).total_compressed_size
+                   for g in groups))
+
+
+def run_case(kind: str, base: str, names: dict[str, str], batch: int, rows_target: int) -> dict:
+    bytes0, req0 = storage.STATS["bytes"], storage.STATS["requests"]
+    t0 = time.perf_counter()
+    src = make_source(kind, base, names)
+    plan = Source(len(src)).shuffle(7).repeat().lanes(8).batch(batch)
+    steps = max(2, rows_target // batch)
+    t1 = time.perf_counter()
+    with Loader(plan, src) as loader:
+        it = iter(loader)
+        next(it)
+        ttfb = time.perf_counter() - t0
+        for _ in range(steps - 1):
+            next(it)
+        rate = steps * batch / (time.perf_counter() - t1)
+    fetched = storage.STATS["bytes"] - bytes0
+    need = 0
+    if fetched:
+        rows = np.array([r["record"] for s in range(steps) for r in plan.explain(s)], dtype=np.int64)
+        need = needed_bytes(kind, src, np.unique(rows))
+    return {"rows_per_s": rate, "ttfb_s": ttfb, "bytes_fetched": fetched, "bytes_needed": need,
+            "fetched_over_needed": fetched / need if fetched else None,
+            "requests": storage.STATS["requests"] - req0, "steps": steps}
+
+
+def download_first(kind: str, scheme: str, prefix: str, names: dict[str, str], batch: int,
+                   rows_target: int) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="zephon-dl-"))
+    try:
+        t0 = time.perf_counter()
+        for url, _ in storage.list_objects(f"{scheme}://{BUCKET}/{prefix}/"):
+            (tmp / url.rsplit("/", 1)[1]).write_bytes(storage.read_object(url))
+        dl = time.perf_counter() - t0
+        case = run_case(kind, str(tmp), names, batch, rows_target)
+        case["ttfb_s"] += dl
+        case["download_s"] = dl
+        return case
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class ProxyProcess:
+    """The fault proxy in its own process (its work must not share this process's GIL)."""
+
+    def __init__(self, upstream: str, latency: float, rewrite_host: bool) -> None:
+        args = [sys.executable, "-m", "zephon.testing.fault_proxy", upstream, "--latency", str(latency)]
+        self.proc = subprocess.Popen(args + (["--rewrite-host"] if rewrite_host else []),
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        self.endpoint = self.proc.stdout.readline().strip()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def point(proxies: dict, scheme: str, latency: float) -> None:
+    """Points `scheme`'s client at the proxy with `latency` added per request."""
+    env = "AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST"
+    os.environ[env] = proxies[(scheme, latency)].endpoint
+    storage.reset()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--records", type=int, default=100_000)
+    ap.add_argument("--docs", type=int, default=100_000)
+    ap.add_argument("--rows", type=int, default=16384,
+                    help="rows per case (16384 = one read-ahead window of the loader, so the rows "
+                         "fetched are the rows used)")
+    ap.add_argument("--ttfb-gib", type=float, default=1.0)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "storage"))
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="zephon-bench-storage-"))
+    servers = []
+    load = os.getloadavg()[0]
+    try:
+        s3, gs = start_seaweedfs(), start_fake_gcs()
+        servers += [s3, gs]
+        os.environ.update({**s3.env, **gs.env, "ZEPHON_CACHE_DIR": str(work / "cache")})
+        storage.reset()
+        create_bucket(s3, BUCKET)
+        create_bucket(gs, BUCKET)
+        data = work / "data"
+        data.mkdir()
+        names = write_data(data, args.records, args.docs)
+        uploads = {scheme: upload(data, scheme, "d") for scheme in ("s3", "gs")}
+        proxies = {(scheme, lat): ProxyProcess(srv.endpoint, lat, scheme == "gs")
+                   for scheme, srv in (("s3", s3), ("gs", gs)) for lat in (0.0, 0.02)}
+        rows = []
+        for kind in ("ar", "pq"):
+            for batch in (64, 1024):
+                ref = run_case(kind, str(data), names, batch, args.rows)
+                rows.append({"format": kind, "storage": "local", "latency_ms": 0, "batch": batch, **ref})
+                print(json.dumps(rows[-1]), flush=True)
+                for scheme in ("s3", "gs"):
+                    for latency in (0.0, 0.02):
+                        point(proxies, scheme, latency)
+                        case = run_case(kind, f"{scheme}://{BUCKET}/d", names, batch, args.rows)
+                        case["vs_local"] = case["rows_per_s"] / ref["rows_per_s"]
+                        rows.append({"format": kind, "storage": scheme, "latency_ms": latency * 1000,
+                                     "batch": batch, **case})
+                        print(json.dumps(rows[-1]), flush=True)
+                    point(proxies, scheme, 0.0)
+                    base = download_first(kind, scheme, "d", names, batch, args.rows)
+                    rows.append({"format": kind, "storage": f"{scheme} download-first", "latency_ms": 0,
+                                 "batch": batch, **base})
+                    print(json.dumps(rows[-1]), flush=True)
+        ttfb = []
+        if args.ttfb_gib > 0:
+            big = work / "big"
+            big.mkdir()
+            n = int(args.ttfb_gib * (1 << 30) / 1024)
+            names_big = write_data(big, n, 0, shards=8)
+            size = sum(f.stat().st_size for f in big.iterdir())
+            for scheme in ("s3", "gs"):
+                upload(big, scheme, "big")
+                point(proxies, scheme, 0.0)
+                ranged = run_case("ar", f"{scheme}://{BUCKET}/big", names_big, 1024, 2048)
+                first = download_first("ar", scheme, "big", names_big, 1024, 2048)
+                ttfb.append({"storage": scheme, "bytes": size, "ranged_ttfb_s": ranged["ttfb_s"],
+                             "download_first_ttfb_s": first["ttfb_s"],
+                             "ratio": first["ttfb_s"] / ranged["ttfb_s"]})
+                print(json.dumps(ttfb[-1]), flush=True)
+        for p in proxies.values():
+            p.close()
+        result = {"load_avg_1m_before": load, "load_avg_1m_after": os.getloadavg()[0],
+                  "policy": storage.policy().__dict__, "upload_s": uploads, "rows": rows, "ttfb_1gib": ttfb,
+                  "command": "flock /tmp/zephon-bench.lock .venv/bin/python benchmarks/storage.py"}
+        Path(args.out + ".json").write_text(json.dumps(result, indent=1))
+        plot(result, args.out + ".png")
+    finally:
+        for s in servers:
+            s.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, kind, title in zip(axes, ("ar", "pq"), ("ArrayRecord 256 x int32", "Parquet text")):
+        rows = [r for r in result["rows"] if r["format"] == kind]
+        labels = [f"{r['storage']}\n{int(r['latency_ms'])} ms B={r['batch']}" for r in rows]
+        ax.bar(range(len(rows)), [r["rows_per_s"] for r in rows],
+               color=["grey" if r["storage"] == "local" else "tab:orange" if "download" in r["storage"]
+                      else "tab:blue" for r in rows])
+        ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
+        ax.set_ylabel("rows/s")
+        ax.set_yscale("log")
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
