@@ -137,7 +137,7 @@ def main() -> int:
         fig.tight_layout()
         fig.savefig(f"{args.out}.png", dpi=100)
     except ImportError:
-        print("no PNG: matplotlib is not installed (pip install 'zephon[plots]')")
+        print("no PNG: matplotlib is not installed (pip install 'zephon-loader[plots]')")
     return 0 if report["ok"] else 1
 
 

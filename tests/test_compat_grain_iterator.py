@@ -70,7 +70,7 @@ def test_state_saved_at_one_degree_resumes_at_another() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("orbax") is None,
-                    reason="orbax-checkpoint is not installed (pip install zephon[orbax])")
+                    reason="orbax-checkpoint is not installed (pip install zephon-loader[orbax])")
 def test_orbax_checkpoint_through_grains_handler(tmp_path) -> None:
     import orbax.checkpoint as ocp
 

@@ -381,9 +381,9 @@ def test_verify_with_torch_and_matplotlib_missing_reports_na_and_writes_the_json
                "--report", str(tmp_path / "r"), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "n/a: torch is not installed: pip install 'zephon[torch]'" in out
+    assert "n/a: torch is not installed: pip install 'zephon-loader[torch]'" in out
     assert "ModuleNotFoundError" not in out and "ALL IDENTICAL" in out
-    assert "no PNG: the heat map needs matplotlib, pip install 'zephon[plots]'" in out
+    assert "no PNG: the heat map needs matplotlib, pip install 'zephon-loader[plots]'" in out
     assert json.loads((tmp_path / "r.json").read_text())["ok"] is True
 
 

@@ -150,7 +150,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         except ModuleNotFoundError as e:
             if (e.name or "").split(".")[0] != "matplotlib":
                 raise
-            line += f"; report: {out}.json (no PNG: the heat map needs matplotlib, pip install 'zephon[plots]')"
+            line += f"; report: {out}.json (no PNG: the heat map needs matplotlib, pip install 'zephon-loader[plots]')"
     print(line)
     return 0 if ok else 1
 

@@ -160,7 +160,7 @@ class ChatTemplate:
                 from jinja2.exceptions import TemplateError
                 from jinja2.sandbox import ImmutableSandboxedEnvironment
             except ImportError as e:  # pragma: no cover - the [lm] extra
-                raise PlanError("a jinja chat template needs jinja2: pip install 'zephon[lm]'") from e
+                raise PlanError("a jinja chat template needs jinja2: pip install 'zephon-loader[lm]'") from e
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[
                 _generation_extension(), "jinja2.ext.loopcontrols"])
             env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)

@@ -49,7 +49,7 @@ def _obstore() -> Any:
     try:
         import obstore
     except ImportError:
-        raise ImportError("reading s3:// or gs:// needs obstore: pip install 'zephon[remote]'") from None
+        raise ImportError("reading s3:// or gs:// needs obstore: pip install 'zephon-loader[remote]'") from None
     return obstore
 
 

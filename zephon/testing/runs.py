@@ -41,12 +41,12 @@ _EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "grain": "grain", "t
 
 
 def _missing_extra(e: BaseException) -> str | None:
-    """'X is not installed: pip install zephon[extra]' when `e` is an optional dependency that is
+    """'X is not installed: pip install zephon-loader[extra]' when `e` is an optional dependency that is
     missing, else None."""
     if not isinstance(e, ModuleNotFoundError):
         return None
     extra = _EXTRAS.get((e.name or "").split(".")[0])
-    return None if extra is None else f"{e.name} is not installed: pip install 'zephon[{extra}]'"
+    return None if extra is None else f"{e.name} is not installed: pip install 'zephon-loader[{extra}]'"
 
 
 def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapping[str, np.dtype] = {},
