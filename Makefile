@@ -44,7 +44,8 @@ verify: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/zephon bench
 	cd benchmarks && ../$(VENV)/bin/python pack.py && ../$(VENV)/bin/python pretokens.py && ../$(VENV)/bin/python batch_resume.py && ../$(VENV)/bin/python tokenize_real.py
-	cd benchmarks && ../$(VENV)/bin/python startup.py
+	cd benchmarks && ../$(VENV)/bin/python finite_end.py
+	cd benchmarks && ../$(VENV)/bin/python startup.py && ../$(VENV)/bin/python telemetry.py
 	cd benchmarks && ../$(VENV)/bin/python sft.py
 	cd benchmarks && ../$(VENV)/bin/python storage.py
 

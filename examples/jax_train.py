@@ -89,6 +89,10 @@ def train(shape: tuple[int, ...], steps: int, params: dict[str, jax.Array] | Non
             # steps queue up asynchronously and XLA's CPU backend can starve the all-reduce
             # rendezvous of its 8 fake devices (an XLA-CPU limit, not a data-loading one).
             losses.append(float(loss))
+        s = loader.stats()  # did the train step wait for data? (telemetry, on by default)
+        print(f"mesh {shape}: the train loop waited for data {s.stall_pct:.1f}% of its time after the "
+              f"first batch ({s.first_batch_s:.2f}s); {s.rows_per_s:,.0f} rows/s; busiest loader stage: "
+              f"{s.bottleneck()}")
         return losses, params, loader.state()
 
 

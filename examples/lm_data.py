@@ -8,6 +8,11 @@ tokenizer, and the Zephon pipeline that feeds them to a model.
   no padding, no token lost), with a short batch-size warm-up by tokens (`--ramp-from` rows a step
   until `--ramp-tokens` tokens were seen, then `--batch`). It returns the loader arguments, for any emitter:
   `JaxLoader(**lm_pipeline(out, args), mesh=...)`, `ZephonIterableDataset(**lm_pipeline(out, args))`.
+- `eval_pipeline`: the held-out evaluation set (code files and prose documents not trained on),
+  a *finite* plan read whole (`Mix(..., stop="all")`), packed, its last steps padded
+  (`remainder="pad"`): every held-out token is scored exactly once, at any number of ranks.
+  `evaluate` turns its batches into the mean token loss, scoring each row alone and summing
+  exactly (`math.fsum`), so the loss is the same at every data-parallel degree.
 - `add_data_args`: the command-line flags both examples take for them.
 
 `python examples/lm_….py` puts examples/ on sys.path, so the examples import this module by name.
@@ -16,8 +21,12 @@ tokenizer, and the Zephon pipeline that feeds them to a model.
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import zephon as z
 from zephon.ops.pack import Pack
@@ -38,6 +47,7 @@ def add_data_args(ap: argparse.ArgumentParser, batch_help: str) -> None:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--code-every", type=int, default=6, help="use every n-th stdlib file")
     ap.add_argument("--prose-docs", type=int, default=600)
+    ap.add_argument("--eval-docs", type=int, default=24, help="held-out documents per corpus")
 
 
 def write_data(out: Path, args: argparse.Namespace) -> None:
@@ -47,6 +57,11 @@ def write_data(out: Path, args: argparse.Namespace) -> None:
     write_jsonl(out / "code.jsonl", code, field="source")
     write_jsonl(out / "prose.jsonl", prose)
     train_bpe(code + prose, vocab_size=args.vocab).save(str(out / "tokenizer.json"))
+    # held out: stdlib files between the training ones, prose from another seed
+    files = [t for t in python_stdlib_corpus() if 200 <= len(t) <= 20_000]
+    held = [t for i, t in enumerate(files) if i % args.code_every][:args.eval_docs]
+    write_jsonl(out / "eval_code.jsonl", held, field="source")
+    write_jsonl(out / "eval_prose.jsonl", generate_corpus(args.eval_docs, seed=3))
 
 
 def describe_batches(plan: z.Batch, seq_len: int) -> str:
@@ -74,3 +89,39 @@ def lm_pipeline(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {"plan": plan, "sources": [code, prose], "transforms": [Pack(args.seq_len, "concat")],
             "per_source": {0: [Tokenize(tokenizer, field="source", eos=EOS_ID)],
                            1: [Tokenize(tokenizer, field="text", eos=EOS_ID)]}}
+
+
+def eval_pipeline(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The held-out set as a finite plan: both files read whole (60/40 by tokens while both
+    last), tokenized, packed like training, the last steps padded — loader keyword arguments."""
+    code, prose = JsonlSource(str(out / "eval_code.jsonl")), JsonlSource(str(out / "eval_prose.jsonl"))
+    plan = z.Mix([z.Source(len(code), id=0), z.Source(len(prose), id=1)], [0.6, 0.4], by="tokens",
+                 stop="all").lanes(args.lanes).batch(args.batch, remainder="pad")
+    tokenizer = str(out / "tokenizer.json")
+    return {"plan": plan, "sources": [code, prose], "transforms": [Pack(args.seq_len, "concat")],
+            "per_source": {0: [Tokenize(tokenizer, field="source", eos=EOS_ID)],
+                           1: [Tokenize(tokenizer, field="text", eos=EOS_ID)]}}
+
+
+RowLoss = Callable[[Mapping[str, np.ndarray]], np.ndarray]
+
+
+def row_losses(batch: Mapping[str, Any], row_loss: RowLoss) -> list[float]:
+    """The masked token losses of a batch's valid rows, each row scored alone (`row_loss` gets
+    one row as arrays of shape [1, seq_len] and returns its token losses): no result can depend
+    on how many rows, ranks or devices share a batch."""
+    data = {k: np.asarray(v) for k, v in batch.items()}
+    out: list[float] = []
+    for r in np.flatnonzero(data["valid"]):
+        row = {k: v[r:r + 1] for k, v in data.items()}
+        mask = row["loss_mask"][0].astype(bool)
+        out += np.asarray(row_loss(row), np.float64).reshape(-1)[mask].tolist()
+    return out
+
+
+def evaluate(batches: Iterable[Mapping[str, Any]], row_loss: RowLoss) -> tuple[float, int]:
+    """(mean token loss, tokens scored) over a finite evaluation loader's batches; padding rows
+    (`valid` False) are skipped, and the sum is exact (`math.fsum`), so the order rows come in
+    — one rank or eight — changes nothing."""
+    losses = [x for b in batches for x in row_losses(b, row_loss)]
+    return math.fsum(losses) / max(1, len(losses)), len(losses)

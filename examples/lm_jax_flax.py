@@ -21,6 +21,11 @@ What it does:
 3. Run B on mesh (data=4, fsdp=2) restores that checkpoint — Orbax reshards every array onto the
    new mesh, the loader resumes from its state — and trains the remaining steps.
 
+4. Evaluation: A's and B's final models score a held-out set (`lm_data.eval_pipeline`): a finite
+   plan read whole, packed, its last steps padded (`remainder="pad"`), through the same
+   `JaxLoader` path; padding rows (`valid` False) are skipped and every held-out token is scored
+   exactly once, each row alone, summed exactly — the same loss on any mesh or number of ranks.
+
 B's losses equal A's bit for bit at every step after the checkpoint, and so do its global batches
 (a digest of every batch is compared; the script exits non-zero otherwise). The batches are
 Zephon's doing: the same global arrays on every mesh. The float arithmetic is the train step's:
@@ -55,7 +60,7 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from lm_data import add_data_args, lm_pipeline, write_data
+from lm_data import add_data_args, eval_pipeline, evaluate, lm_pipeline, write_data
 
 import zephon
 from zephon.backends.jax import JaxLoader
@@ -149,6 +154,17 @@ class Trainer:
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
 
+def held_out_loss(args: argparse.Namespace, mesh: Mesh, trainer: Trainer, state: dict) -> tuple[float, int]:
+    """Mean token loss of the model in `state` on the held-out set: each row scored alone on one
+    device (parameters gathered), so the result cannot depend on the mesh."""
+    params = jax.device_get(state["params"])
+    apply = jax.jit(lambda p, tokens, seg, pos, targets: optax.softmax_cross_entropy_with_integer_labels(
+        trainer.model.apply({"params": p}, tokens, seg, pos), targets))
+    with JaxLoader(**eval_pipeline(args.out, args), mesh=mesh, batch_axes=("data", "fsdp"),
+                   exclude=("cu_seqlens",)) as loader:
+        return evaluate(loader, lambda r: apply(params, r["tokens"], r["segment_ids"], r["positions"], r["targets"]))
+
+
 def checkpointer(path: Path) -> ocp.CheckpointManager:
     # synchronous saves: no background thread touching device buffers between steps
     return ocp.CheckpointManager(path.absolute(),
@@ -156,9 +172,9 @@ def checkpointer(path: Path) -> ocp.CheckpointManager:
 
 
 def train(args: argparse.Namespace, shape: tuple[int, int], stop: int, *, save_at: int | None = None,
-          resume: bool = False) -> tuple[dict[int, float], dict[int, str]]:
-    """Trains on a mesh of `shape` until global step `stop`; returns {step: loss} and
-    {step: digest of the global batch}."""
+          resume: bool = False) -> tuple[dict[int, float], dict[int, str], tuple[float, int]]:
+    """Trains on a mesh of `shape` until global step `stop`; returns {step: loss},
+    {step: digest of the global batch} and the final model's held-out (loss, tokens)."""
     mesh = make_mesh(shape)
     trainer = Trainer(args, mesh)
     losses, digests, sizes = {}, {}, {}
@@ -186,7 +202,7 @@ def train(args: argparse.Namespace, shape: tuple[int, int], stop: int, *, save_a
                 ckpt.save(step + 1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                             loader=ocp.args.JsonSave(loader.state())))
     print(f"mesh {shape}: global batch rows per step {sizes}")
-    return losses, digests
+    return losses, digests, held_out_loss(args, mesh, trainer, state)
 
 
 def digest(batch: dict[str, jax.Array]) -> str:
@@ -217,8 +233,8 @@ def main() -> None:
     t0 = time.perf_counter()
     write_data(args.out, args)
     print(f"{jax.device_count()} devices; data and checkpoint in {args.out}")
-    a, a_batches = train(args, mesh_a, args.steps, save_at=split)
-    b, b_batches = train(args, mesh_b, args.steps, resume=True)
+    a, a_batches, a_eval = train(args, mesh_a, args.steps, save_at=split)
+    b, b_batches, b_eval = train(args, mesh_b, args.steps, resume=True)
     print(f"{'step':>5} {'A: mesh ' + str(mesh_a):>16} {'B: mesh ' + str(mesh_b):>16}")
     for step in sorted({0, split - 1, split, args.steps - 1} | set(range(0, args.steps, max(1, args.steps // 10)))):
         print(f"{step:>5} {a[step]:>16.6f} " + (f"{b[step]:>16.6f}" if step in b else ""))
@@ -228,8 +244,10 @@ def main() -> None:
     print(f"B (mesh {mesh_b}, resumed at step {split} from A's Orbax checkpoint on mesh {mesh_a}) vs A: "
           f"max |loss diff| = {diff:.3g}{'  (identical)' if diff == 0 else ''}")
     print(f"global batches of B equal to A's: {same} of {len(b)}")
+    print(f"held-out loss ({a_eval[1]} tokens, each once; padding rows skipped): A {a_eval[0]:.6f}, "
+          f"B {b_eval[0]:.6f}{'  (identical)' if a_eval == b_eval else ''}")
     print(f"{time.perf_counter() - t0:.0f}s")
-    if same != len(b) or (args.replicated_grads and diff != 0):
+    if same != len(b) or (args.replicated_grads and (diff != 0 or a_eval != b_eval)):
         raise SystemExit(1)
 
 

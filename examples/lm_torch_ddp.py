@@ -24,6 +24,12 @@ What it does, all on CPU:
 3. Run B: a single process loads that checkpoint, builds the same loader (world size 1, the same
    workers) with `load_state_dict`, and trains the remaining steps.
 
+4. Evaluation: at the end, A's 2 ranks and B's single process score a held-out set
+   (`lm_data.eval_pipeline`): a finite plan read whole, packed, its last steps padded
+   (`remainder="pad"`; the ranks agree on its end through `torch.distributed`), each rank its own
+   rows, padding rows (`valid` False) skipped, every held-out token scored exactly once; the
+   ranks' token losses are gathered and summed exactly. Same model, same loss at 2 ranks or 1.
+
 B's loss curve continues A's bit for bit: the loader hands B the identical global batches (B
 sees all rows that the two ranks saw together), and B reduces the gradient the way the two DDP
 ranks did — each rank's row block accumulated over its micro-batches, the blocks averaged —
@@ -42,6 +48,7 @@ import datetime
 import functools
 import gc
 import json
+import math
 import os
 import socket
 import sys
@@ -54,7 +61,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from lm_data import add_data_args, describe_batches, lm_pipeline, write_data  # examples/lm_data.py
+from lm_data import add_data_args, describe_batches, eval_pipeline, lm_pipeline, row_losses, write_data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zephon as z
@@ -70,6 +77,19 @@ def make_loader(out: Path, args: argparse.Namespace) -> ZephonDataLoader:
                 "positions": torch.int64, "loss_mask": torch.float32},
         micro_batches=args.micro_batches)  # must split this rank's rows at every size of the ramp
     return ZephonDataLoader(dataset, num_workers=args.workers)
+
+
+def held_out_losses(model: nn.Module, args: argparse.Namespace) -> list[float]:
+    """This rank's token losses on the held-out set (its rows of every padded global batch)."""
+    loader = ZephonDataLoader(ZephonIterableDataset(**eval_pipeline(args.out, args)))
+
+    def row_loss(r: dict) -> torch.Tensor:
+        t = {k: torch.from_numpy(v).long() for k, v in r.items() if k != "valid"}
+        logits = model(t["tokens"], t["segment_ids"], t["positions"])
+        return F.cross_entropy(logits.flatten(0, 1), t["targets"].flatten(), reduction="none")
+
+    with torch.no_grad():
+        return [x for batch in loader for x in row_losses({k: v.numpy() for k, v in batch.items()}, row_loss)]
 
 
 # --- model --------------------------------------------------------------------------------------
@@ -158,8 +178,12 @@ def ddp_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                         z.save_state(args.loader_state, data)
                     torch.save({"step": step + 1, "model": model.state_dict(), "optim": opt.state_dict(),
                                 "data": data}, args.out / "checkpoint.pt")
+        held = [None] * world
+        dist.all_gather_object(held, held_out_losses(model, args))  # every rank's rows' token losses
         if rank == 0:
             (args.out / "run_A.json").write_text(json.dumps({"losses": losses, "sizes": sizes}))
+            scores = [x for part in held for x in part]
+            (args.out / "eval_A.json").write_text(json.dumps([math.fsum(scores) / len(scores), len(scores)]))
         gc.collect()  # DDP's reducer must be gone before its process group is destroyed
         dist.barrier()
     finally:
@@ -195,6 +219,8 @@ def resume(args: argparse.Namespace, ranks_before: int) -> list[float]:
             p.grad = functools.reduce(torch.add, [g / len(blocks) for g in gs])
         opt.step()
         losses.append(total.item())
+    scores = held_out_losses(model, args)
+    (args.out / "eval_B.json").write_text(json.dumps([math.fsum(scores) / len(scores), len(scores)]))
     return losses
 
 
@@ -236,7 +262,10 @@ def main() -> None:
     print(f"batch sizes: {describe_batches(lm_pipeline(args.out, args)['plan'], args.seq_len)}; "
           f"run A's global batches had {run_a['sizes']} rows")
     print(f"{time.perf_counter() - t0:.0f}s; data, checkpoint and logs in {args.out}")
-    if args.same_reduction and diff != 0:
+    eval_a, eval_b = (json.loads((args.out / f"eval_{x}.json").read_text()) for x in "AB")
+    print(f"held-out loss ({eval_a[1]} tokens, each once; padding rows skipped): A (2 ranks) {eval_a[0]:.6f}, "
+          f"B (1 process) {eval_b[0]:.6f}{'  (identical)' if eval_a == eval_b else ''}")
+    if args.same_reduction and (diff != 0 or eval_a != eval_b):
         sys.exit(1)
 
 

@@ -116,10 +116,12 @@ def train(world: int, args: argparse.Namespace, start: int, stop: int, resume: b
             gathered[name] = torch.cat(parts).numpy()
         prints.append(global_fingerprint(gathered, LANES))  # proof of which data the step saw
     assert loader.state_dict()["step"] == stop
+    stats = loader.stats()  # did the loop wait for data? (telemetry, on by default)
     if save:
         net_sd, opt_sd = get_state_dict(net, opt)
         dcp.save({"model": net_sd, "optim": opt_sd, "data": loader.state_dict()}, checkpoint_id=ckpt)
-    return {"start": start, "losses": losses, "fingerprints": prints}
+    return {"start": start, "losses": losses, "fingerprints": prints, "stall_pct": stats.stall_pct,
+            "bottleneck": stats.bottleneck()}
 
 
 def launch(world: int, args: argparse.Namespace, start: int, stop: int, *, resume: bool = False,
@@ -165,6 +167,8 @@ def main() -> None:
     print(f"C (2 ranks, resumed at step {split}) equals A bit for bit: {exact}")
     print(f"D (1 rank, resumed at step {split}) saw A's global batches at every step: {same_data}; "
           f"largest loss difference {drift:.2e} (float rounding of a different reduction)")
+    print(f"A: the training loop (rank 0) waited for data {a['stall_pct']:.1f}% of its time; busiest "
+          f"loader stage: {a['bottleneck']}")
     print(f"checkpoint and logs: {args.out}")
     if not (exact and same_data):
         raise SystemExit(1)

@@ -12,7 +12,9 @@
 (examples/jax_train.py is run by tests/test_jax_backend.py.)
 """
 
+import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -40,6 +42,7 @@ def test_lm_torch_ddp_resumes_on_one_process_bit_for_bit(tmp_path):
     assert "max |loss diff| = 0  (bit for bit)" in out, out
     assert "run A's global batches had [8, 8, 16, 16, 16, 16] rows" in out, out  # the warm-up ran
     assert (tmp_path / "checkpoint.pt").exists()
+    assert "B (1 process)" in out and "(identical)" in out.split("held-out loss")[1], out
 
 
 def test_lm_jax_flax_resumes_under_another_mesh_identically(tmp_path):
@@ -52,6 +55,51 @@ def test_lm_jax_flax_resumes_under_another_mesh_identically(tmp_path):
     assert "max |loss diff| = 0  (identical)" in out, out
     assert "global batch rows per step {0: 8, 1: 8, 2: 16, 3: 16, 4: 16, 5: 16}" in out, out  # the warm-up
     assert "global batches of B equal to A's: 3 of 3" in out, out
+    assert "(identical)" in out.split("held-out loss")[1], out
+
+
+def test_held_out_loss_is_identical_at_every_degree(tmp_path):
+    """The examples' evaluation path (lm_data.eval_pipeline + evaluate) at D = 1, 2, 4, 8: the
+    same loss, bit for bit, equal to scoring every held-out document directly (no packing, no
+    padding), over exactly the held-out tokens."""
+    import argparse
+    import math
+
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    import zephon as z
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import lm_data
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    ap = argparse.ArgumentParser()
+    lm_data.add_data_args(ap, "")
+    args = ap.parse_args(["--batch", "8", "--seq-len", "64", "--vocab", "300", "--code-every", "60",
+                          "--prose-docs", "30", "--eval-docs", "8"])
+    lm_data.write_data(tmp_path, args)
+    weights = np.random.default_rng(0).random(args.vocab)  # a fixed "model": a token's loss by id
+
+    def row_loss(row):
+        return weights[row["targets"][0]]
+
+    kw = lm_data.eval_pipeline(tmp_path, args)
+    got = {}
+    for d in (1, 2, 4, 8):
+        batches = [b.data for r in range(d)
+                   for b in z.Loader(kw["plan"], kw["sources"], kw["transforms"], per_source=kw["per_source"],
+                                     rank=r, world=d)]
+        got[d] = lm_data.evaluate(batches, row_loss)
+    assert len(set(got.values())) == 1, got
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    direct = []
+    for name, field in (("eval_code", "source"), ("eval_prose", "text")):
+        docs = [json.loads(l)[field] for l in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        for ids in (e.ids + [lm_data.EOS_ID] for e in tok.encode_batch(docs)):
+            direct += [float(weights[t]) for t in ids[1:]]  # a document's last token predicts nothing
+    assert got[1] == (math.fsum(direct) / len(direct), len(direct))
 
 
 @pytest.mark.multiprocess
@@ -59,6 +107,7 @@ def test_torch_train_example(tmp_path):
     out = run("examples/torch_train.py", "--steps", "6", "--out", str(tmp_path))
     assert "equals A bit for bit: True" in out, out
     assert "saw A's global batches at every step: True" in out, out
+    assert re.search(r"A: the training loop \(rank 0\) waited for data \d+\.\d% of its time", out), out
 
 
 @pytest.mark.slow

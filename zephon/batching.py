@@ -60,7 +60,7 @@ class Lanes(Node, kind="Lanes"):
     @property
     def branches(self) -> tuple[Node, ...]:
         """Streams the lane engine reads separately: a token Mix's children, else the child."""
-        if isinstance(self.child, Mix) and self.child.by_tokens:
+        if isinstance(self.child, Mix) and self.child.sequential:
             return self.child.children
         return (self.child,)
 
@@ -73,7 +73,7 @@ class Lanes(Node, kind="Lanes"):
     def lane_length(self) -> int | None:
         """Inputs every lane has (the shortest lane's count); None if infinite."""
         if isinstance(self.child, Mix):
-            if self.child.by_tokens:
+            if self.child.sequential:
                 return None
             return self.child.length_for([None if c.length is None else c.length // self.count
                                           for c in self.child.children])
@@ -87,6 +87,31 @@ class Lanes(Node, kind="Lanes"):
         n = self.branches[branch].length
         return None if n is None else n // self.count
 
+    def lane_limits(self, lanes: np.ndarray, branch: int = 0, pad: bool = False) -> np.ndarray | None:
+        """Inputs of `branch` (see `branches`) each of `lanes` has; None if infinite.
+
+        Dropping (`pad=False`) every lane has the shortest lane's count, as `branch_length`;
+        padding, every position of a finite stream is dealt: lane l holds positions l, l+L, ...
+        below the end, so the first `n % L` lanes hold one input more.
+        """
+        lanes = np.asarray(lanes, np.int64)
+        if not pad:
+            n = self.branch_length(branch)
+            return None if n is None else np.full(lanes.shape, n, np.int64)
+        table = self._pad_limits(branch)
+        return None if table is None else table[lanes]
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 (frozen, hashable node; a handful of branches)
+    def _pad_limits(self, branch: int) -> np.ndarray | None:
+        every = np.arange(self.count, dtype=np.int64)
+        if len(self.branches) > 1 or not isinstance(self.child, Mix):
+            n = self.branches[branch].length
+            return None if n is None else (n - every + self.count - 1) // self.count
+        sizes = [[None if c.length is None else (c.length - l + self.count - 1) // self.count
+                  for c in self.child.children] for l in range(self.count)]
+        got = [self.child.length_for(s) for s in sizes]
+        return None if any(g is None for g in got) else np.array(got, np.int64)
+
     @property
     def max_index(self) -> int:
         """Lane inputs are below this: input `i` of a lane is stream position `i × count + lane`,
@@ -98,8 +123,10 @@ class Lanes(Node, kind="Lanes"):
         return np.asarray(index, np.int64) * self.count + np.asarray(lanes, np.int64)
 
     def batch(self, size: int | None = None, *, schedule: Sequence[tuple[int, int]] | None = None,
-              by: Literal["steps", "tokens"] = "steps", seq_len: int | None = None) -> Batch:
-        """The plan's root: global batches of `size` rows, `size / count` from every lane.
+              by: Literal["steps", "tokens"] = "steps", seq_len: int | None = None,
+              remainder: Remainder = "drop") -> Batch:
+        """The plan's root: global batches of `size` rows, `size / count` from every lane;
+        `remainder` ("drop" or "pad") decides the end of a finite plan (see `Batch`).
 
         Or a batch-size `schedule` (a ramp-up), part of the plan: `((0, 256), (2000, 512), ...)`
         — from step 0 256 rows, from step 2000 512, ... With `by="tokens"` the first numbers are
@@ -111,7 +138,7 @@ class Lanes(Node, kind="Lanes"):
                 raise PlanError("by= and seq_len= describe a schedule: pass schedule=((0, B0), (t1, B1), ...)")
             if size is None:
                 raise PlanError("batch() needs a size, e.g. .batch(256), or schedule=((0, 256), (2000, 512))")
-            return Batch(self, size)
+            return Batch(self, size, remainder=remainder)
         if by == "tokens":
             if seq_len is None:
                 raise PlanError("a batch schedule by tokens needs seq_len= (the tokens of one row)")
@@ -128,15 +155,16 @@ class Lanes(Node, kind="Lanes"):
         if size is not None and size != entries[0][1]:
             raise PlanError(f"batch({size}, schedule=...) disagrees with the schedule's first size "
                             f"{entries[0][1]}; give the schedule only.")
-        return Batch(self, entries[0][1], tuple(entries[1:]))
+        return Batch(self, entries[0][1], tuple(entries[1:]), remainder)
 
-    def resolve_lanes(self, lanes: np.ndarray, index: np.ndarray, branch: int = 0) -> Refs:
-        """Record references of input `index` of lane `lanes` (of `branch`; broadcast)."""
+    def resolve_lanes(self, lanes: np.ndarray, index: np.ndarray, branch: int = 0, epoch: int = 0) -> Refs:
+        """Record references of input `index` of lane `lanes` (of `branch`; broadcast), in pass
+        `epoch` over a finite plan (the order `repeat()` gives its e-th pass)."""
         lanes = np.asarray(lanes, np.int64)
         index = np.asarray(index, np.int64)
         lanes, index = np.broadcast_arrays(lanes, index)
         if len(self.branches) > 1:
-            return self.branches[branch].resolve(self.stream_positions(lanes, index))
+            return self.branches[branch].resolve(self.stream_positions(lanes, index), epoch)
         if isinstance(self.child, Mix):
             which, inner = self.child.route(index)
             pos = self.stream_positions(lanes, inner)
@@ -145,8 +173,8 @@ class Lanes(Node, kind="Lanes"):
                 m = which == i
                 if n is not None and m.any() and pos[m].max() >= n:
                     raise PlanError(f"input {int(index[m].max())} of a lane is past the end of the mix")
-            return _gather_children(self.child.children, which, pos, np.zeros_like(pos))
-        return self.resolve(self.stream_positions(lanes, index))
+            return _gather_children(self.child.children, which, pos, np.full_like(pos, epoch))
+        return self.resolve(self.stream_positions(lanes, index), epoch)
 
     def owned(self, rank: int, world: int) -> np.ndarray:
         """The lanes data-parallel rank `rank` of `world` owns, in global lane order."""
@@ -169,6 +197,9 @@ def check_degree(lanes: int, world: int) -> None:
                         f"every degree you will use divides (e.g. lanes={math.lcm(lanes, world)}).")
 
 
+Remainder = Literal["drop", "pad"]
+
+
 @dataclass(frozen=True)
 class Batch(Node, kind="Batch"):
     """The plan's root: global batch k holds B(k)/lanes outputs of every lane, lane-major.
@@ -176,13 +207,22 @@ class Batch(Node, kind="Batch"):
     `size` is B from step 0; `schedule` lists `(step, size)` changes after it (a ramp-up).
     With `p = B(k)/L` and `o(k) = Σ_{j<k} B(j)/L` (`zephon.batchsize`), row j of batch k is
     output `o(k) + j % p` of lane `j // p`.
+
+    `remainder` decides the end of a finite plan, the same at every data-parallel degree:
+    "drop" ends at the last step every lane fills (records past it are not emitted); "pad"
+    deals every position into the lanes and ends at the last step any lane has an output for,
+    lanes that ran out filling their rows with zeros, and adds a boolean field `valid` (False on
+    those rows): every record — packed, every token — is emitted exactly once.
     """
 
     child: Lanes
     size: int
     schedule: tuple[tuple[int, int], ...] = ()
+    remainder: Remainder = "drop"
 
     def __post_init__(self) -> None:
+        if self.remainder not in ("drop", "pad"):
+            raise PlanError(f"Batch remainder must be 'drop' or 'pad', got {self.remainder!r}")
         if not isinstance(self.child, Lanes):
             raise PlanError("Batch must wrap a Lanes node: build plans as "
                             "stream.lanes(L).batch(B) (B divisible by L).")
@@ -200,6 +240,8 @@ class Batch(Node, kind="Batch"):
             del out["schedule"]
         else:
             out["schedule"] = [list(e) for e in self.schedule]
+        if self.remainder == "drop":  # and plans that drop the remainder
+            del out["remainder"]
         return out
 
     @property
@@ -236,10 +278,27 @@ class Batch(Node, kind="Batch"):
         return self.lane_offset(step) * self.child.count * seq_len
 
     @property
+    def pad(self) -> bool:
+        return self.remainder == "pad"
+
+    @property
     def length(self) -> int | None:
-        """Number of full global batches (1:1 pipelines); None if infinite."""
+        """Number of global batches of a one-to-one pipeline; None if infinite (or if the
+        plan's lanes are followed in sequence, like a mix by tokens: the data decides)."""
+        return self.steps_over(0)
+
+    def steps_over(self, shift: int) -> int | None:
+        """Steps of a one-to-one pipeline whose lane positions are moved by `shift` (a run
+        resumed at another batch size): whole steps dropping, steps with any row padding."""
+        if self.pad:
+            lim = self.child.lane_limits(np.arange(self.child.count), 0, pad=True)
+            if lim is None or len(self.child.branches) > 1:
+                return None
+            most = int(lim.max()) - shift
+            k = self.sizes.steps_within(most)
+            return k + int(int(self.sizes.offset(k)) < most)
         n = self.child.lane_length()
-        return None if n is None else self.sizes.steps_within(n)
+        return None if n is None else self.sizes.steps_within(n - shift)
 
     num_steps = length
 
@@ -282,6 +341,16 @@ class Batch(Node, kind="Batch"):
                             "depends on the token counts before it. Iterate a Loader and use "
                             "LocalBatch.explain() (or `zephon explain MODULE:FACTORY --step K`).")
         lane, index = self.rows(step, lanes)
+        if self.pad:  # rows past a lane's end are padding: no record (source -1)
+            ok = index < self.child.lane_limits(lane, 0, pad=True)
+            refs = self.child.resolve_lanes(lane[ok], index[ok])
+            full = np.full(len(lane), -1, np.int64)
+            cols = []
+            for v in (refs.source, refs.record, refs.epoch):
+                c = full.copy()
+                c[ok] = v
+                cols.append(c)
+            return Refs(cols[0], cols[1], cols[2])
         return self.child.resolve_lanes(lane, index)
 
     def explain(self, step: int) -> list[dict[str, int]]:

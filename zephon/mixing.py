@@ -48,6 +48,12 @@ class Mix(Node, kind="Mix"):
     ...)` with increasing steps; `weights` apply from step 0, each entry's from its step on.
     At each such step every lane starts its token counts afresh under the new weights, so the
     mixture follows the schedule in every lane, at every D and across a resume.
+
+    `stop` says where a finite mix ends: "first" (the default) when its first child runs out;
+    "all" reads every child whole — once a child is exhausted in a lane, that lane draws from the
+    remaining children with their weights renormalised, until every child is exhausted. Like a
+    mix by tokens, a mix with `stop="all"` is followed inside every lane by the lane engine (by
+    samples it counts one per record), so it sits directly under `lanes()`.
     """
 
     children: tuple[Node, ...]
@@ -56,12 +62,13 @@ class Mix(Node, kind="Mix"):
     count_field: str = "tokens"
     schedule: tuple[tuple[int, tuple[float, ...]], ...] = ()
     mask_field: str = "loss_mask"
+    stop: Literal["first", "all"] = "first"
 
     if TYPE_CHECKING:  # the generated __init__ takes any sequences (__post_init__ makes them tuples)
         def __init__(self, children: Sequence[Node], weights: Sequence[float],
                      by: Literal["samples", "tokens", "trained_tokens"] = "samples",
                      count_field: str = "tokens", schedule: Sequence[tuple[int, Sequence[float]]] = (),
-                     mask_field: str = "loss_mask") -> None: ...
+                     mask_field: str = "loss_mask", stop: Literal["first", "all"] = "first") -> None: ...
 
     def __post_init__(self) -> None:
         if not isinstance(self.children, tuple):
@@ -87,6 +94,9 @@ class Mix(Node, kind="Mix"):
                 raise PlanError(f"Mix schedule steps must increase, got {step} after {entries[-1][0]}")
             entries.append((int(step), _checked_weights(w, len(self.children), f"Mix weights from step {step}")))
         object.__setattr__(self, "schedule", tuple(entries))
+        if self.stop not in ("first", "all"):
+            raise PlanError(f"Mix.stop must be 'first' (end with the first exhausted child) or 'all' "
+                            f"(read every child whole), got {self.stop!r}")
         if self.by not in ("samples", "tokens", "trained_tokens"):
             raise PlanError(f"Mix.by must be 'samples', 'tokens' or 'trained_tokens', got {self.by!r}")
         if not isinstance(self.mask_field, str) or not self.mask_field:
@@ -99,7 +109,9 @@ class Mix(Node, kind="Mix"):
 
     def to_json(self) -> dict[str, Any]:
         out = super().to_json()
-        if not self.schedule:  # plans without one keep the fingerprints they always had
+        if self.stop == "first":  # plans without these keep the fingerprints they always had
+            del out["stop"]
+        if not self.schedule:
             del out["schedule"]
         else:
             out["schedule"] = [[step, list(w)] for step, w in self.schedule]
@@ -188,12 +200,24 @@ class Mix(Node, kind="Mix"):
         return min(ends) if ends else None
 
     @property
+    def sequential(self) -> bool:
+        """Whether the lane engine follows this mix (by tokens, or read whole): no random access."""
+        return self.by_tokens or self.stop == "all"
+
+    @property
     def length(self) -> int | None:
         if self.by_tokens:
             return None
+        if self.stop == "all":
+            sizes = [c.length for c, w in zip(self.children, self.normalized) if w > 0]
+            return None if any(n is None for n in sizes) else sum(int(n or 0) for n in sizes)
         return self.length_for([c.length for c in self.children])
 
     def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
+        if self.stop == "all":
+            raise PlanError("a Mix with stop='all' is followed inside every lane (which child comes "
+                            "next depends on which ran out); put it directly under .lanes(L) and "
+                            "read it with a Loader.")
         if self.by_tokens:
             raise PlanError("a Mix by tokens has no order by position (its schedule depends on "
                             "token counts); put it directly under .lanes(L) and read it with a Loader.")

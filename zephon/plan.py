@@ -128,13 +128,14 @@ class Node:
     def _resolve(self, pos: np.ndarray, epoch: np.ndarray) -> Refs:
         raise NotImplementedError(f"{type(self).__name__} must define _resolve(pos, epoch) -> Refs")
 
-    def resolve(self, positions: np.ndarray | Sequence[int] | int) -> Refs:
-        """The record references at `positions` (vectorised)."""
+    def resolve(self, positions: np.ndarray | Sequence[int] | int, epoch: int = 0) -> Refs:
+        """The record references at `positions` (vectorised) in pass `epoch` over the stream:
+        epoch e of a finite stream is what `repeat()` makes its e-th pass (shuffles re-keyed)."""
         pos = _positions(positions)
         n = self.length
         if n is not None and pos.size and pos.max() >= n:
             raise PlanError(f"position {int(pos.max())} is past the end of a stream of {n}")
-        return self._resolve(pos, np.zeros_like(pos))
+        return self._resolve(pos, np.full_like(pos, epoch))
 
     # --- fluent builder ----------------------------------------------------------------------
     def shuffle(self, seed: int) -> Shuffle:
@@ -160,12 +161,13 @@ class Node:
     @staticmethod
     def mix(children: Sequence[Node], weights: Sequence[float] | None = None,
             by: Literal["samples", "tokens", "trained_tokens"] = "samples", count_field: str = "tokens",
-            schedule: Sequence[tuple[int, Sequence[float]]] = (), mask_field: str = "loss_mask") -> Mix:
+            schedule: Sequence[tuple[int, Sequence[float]]] = (), mask_field: str = "loss_mask",
+            stop: Literal["first", "all"] = "first") -> Mix:
         from zephon.mixing import Mix  # imported here: mixing builds on this module
 
         children = tuple(children)
         return Mix(children, weights if weights is not None else (1.0,) * len(children), by, count_field,
-                   schedule, mask_field)
+                   schedule, mask_field, stop)
 
     # --- serialisation -----------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:

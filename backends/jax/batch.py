@@ -10,8 +10,9 @@ micro-batches' blocks concatenated) gives the batch back.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -22,6 +23,7 @@ from zephon.backends.jax.placement import Shardings
 from zephon.errors import PlanError
 from zephon.exec.batch import check_micro_count
 from zephon.exec.loader import LocalBatch
+from zephon.telemetry import Telemetry
 
 HostBatch = dict[str, tuple[np.ndarray, tuple[int, ...]]]
 
@@ -66,6 +68,8 @@ class Emitter:
 
     shardings: Shardings
     exclude: frozenset[str] = frozenset()
+    #: when set, the seconds of host conversion and transfer dispatch go to its 'emit' stage
+    telemetry: Telemetry | None = field(default=None, compare=False, repr=False)
 
     def sharding(self, name: str) -> NamedSharding:
         """The sharding field `name` is emitted with."""
@@ -78,13 +82,21 @@ class Emitter:
 
     def host(self, batch: LocalBatch) -> HostBatch:
         """The host-side half: fields checked and converted to device dtypes, with global shapes."""
-        return {name: (device_dtype_array(name, arr), batch.global_shape(name))
-                for name, arr in batch.data.items() if name not in self.exclude}
+        t0 = time.perf_counter()
+        out = {name: (device_dtype_array(name, arr), batch.global_shape(name))
+               for name, arr in batch.data.items() if name not in self.exclude}
+        if self.telemetry is not None:
+            self.telemetry.add("emit", time.perf_counter() - t0)
+        return out
 
     def device(self, host: HostBatch) -> JaxBatch:
         """The device half: global arrays, transfers dispatched asynchronously."""
-        return JaxBatch({name: jax.make_array_from_process_local_data(self.sharding(name), arr, shape)
-                         for name, (arr, shape) in host.items()})
+        t0 = time.perf_counter()
+        out = JaxBatch({name: jax.make_array_from_process_local_data(self.sharding(name), arr, shape)
+                        for name, (arr, shape) in host.items()})
+        if self.telemetry is not None:
+            self.telemetry.add("emit", time.perf_counter() - t0)
+        return out
 
     def __call__(self, batch: LocalBatch) -> JaxBatch:
         """Global arrays of `batch`, transferred to the devices before returning."""

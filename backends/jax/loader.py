@@ -38,6 +38,9 @@ from zephon.ops.base import Operator
 from zephon.plan import Batch
 from zephon.runners.base import Runner
 from zephon.sources.base import RecordSource
+from zephon.telemetry import Stats
+from zephon.telemetry import make as telemetry_recorder
+from zephon.telemetry import require as require_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,9 @@ class JaxLoader:
         holds at most 2 * prefetch + 1 batches beyond the one the caller has.
       exclude: fields not to emit (e.g. raw bytes kept for debugging in the numpy backend).
       seed, runner, start_step: passed to `zephon.Loader`.
+      telemetry: True (default), False or a `zephon.Telemetry(...)`: `stats()` — how long the
+        caller waited in `next()` (stall %), the loader's stages and the emit stage (host
+        conversion and transfer dispatch; with prefetch=0 the transfer itself).
       micro_batches: the micro-batch count the train step cuts every batch into: checked up
         front against every size of the plan's batch-size schedule, per device block of rows.
 
@@ -67,6 +73,10 @@ class JaxLoader:
 
     The process's data-parallel rank and degree come from the mesh and `jax.process_index()`.
     Use it as a context manager or call `close()` to stop the prefetch thread promptly.
+
+    A finite plan ends at the same step in every process (they agree through `jax.distributed`
+    when its pipeline changes the number of records; see `zephon.exec.end`); `len()` is the
+    steps left and `set_epoch(e)` goes to step 0 of pass `e`.
     """
 
     def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
@@ -84,7 +94,10 @@ class JaxLoader:
             shardings = _check_shardings(sharding)
         else:
             raise PlanError("pass either mesh= (with batch_axes=) or sharding=, not both or neither.")
-        self.emit = Emitter(shardings, frozenset(exclude))
+        n = plan.num_steps
+        self._tel = telemetry_recorder(loader_options.pop("telemetry", True),
+                                       None if n is None else max(0, n - start_step))
+        self.emit = Emitter(shardings, frozenset(exclude), self._tel)
         first = shardings if isinstance(shardings, NamedSharding) else next(iter(shardings.values()))
         self.layout = plan_layout(plan, first)
         micro = loader_options.pop("micro_batches", None)
@@ -93,9 +106,13 @@ class JaxLoader:
         log.info("process %d loads row block %d of %d of every global batch (%s)", jax.process_index(),
                  self.layout.rank, self.layout.world, _describe(first))
         self.prefetch = prefetch
+        loader_options.setdefault("all_gather", _process_all_gather() if jax.process_count() > 1 else None)
         self._loader = Loader(plan, sources, transforms, seed=seed, rank=self.layout.rank,
                               world=self.layout.world, runner=runner, start_step=start_step,
-                              **loader_options)
+                              telemetry=self._tel is not None, **loader_options)
+        if self._tel is not None and self._loader.telemetry is not None:
+            self._tel.include(self._loader.telemetry)
+        self._loader.settle_end()  # here, not in the prefetch thread: it may run a collective
         self._state = self._loader.position()
         self._prefetcher: _Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
@@ -112,7 +129,39 @@ class JaxLoader:
     def __iter__(self) -> JaxLoader:
         return self
 
+    def __len__(self) -> int:
+        """Global batches left in this epoch of a finite plan (TypeError if it repeats forever)."""
+        if self._loader.end_if_known() is None and self._loader.finite:
+            # counting reads the loader's lanes: not while the prefetch thread moves them
+            self._halt()
+            self._loader.seek_position(self._state)
+        end = self._loader.end_step()
+        if end is None:
+            raise TypeError("this JaxLoader has no length: its plan repeats forever.")
+        return max(0, end - self.step)
+
+    @property
+    def epoch(self) -> int:
+        return int(self._state.get("epoch", 0))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Goes to step 0 of pass `epoch` over the finite plan (the order `repeat()` gives it)."""
+        self._halt()
+        self._loader.set_epoch(epoch)
+        self._loader.settle_end()
+        self._state = self._loader.position()
+        self._ended = None
+
     def __next__(self) -> JaxBatch:
+        if self._tel is None:
+            return self._next_arrays()
+        return self._tel.step(self._next_arrays)
+
+    def stats(self) -> Stats:
+        """Telemetry so far: stall %, stage times, rows/tokens/bytes (see `zephon.telemetry`)."""
+        return require_telemetry(self._tel, "this JaxLoader").stats()
+
+    def _next_arrays(self) -> JaxBatch:
         if isinstance(self._ended, _Failure):
             raise self._ended.error
         if self._ended is not None:
@@ -139,7 +188,7 @@ class JaxLoader:
                 self._ahead.append((self.emit.device(item[0]), item[1], item[2]))
         if not self._ahead:
             self._ended = self._last
-            return self.__next__()
+            return self._next_arrays()
         arrays, self._state, self._provenance = self._ahead.popleft()
         return arrays
 
@@ -178,6 +227,7 @@ class JaxLoader:
         `allow_batch_change=True`, also one saved under another global batch size)."""
         self._halt()
         self._loader.restore(state, allow_batch_change=allow_batch_change)
+        self._loader.settle_end()
         self._state = self._loader.position()
         self._ended = None
 
@@ -188,6 +238,8 @@ class JaxLoader:
         """Stops the prefetch thread and releases the loader; safe to call twice."""
         self._halt()
         self._loader.close()
+        if self._tel is not None:
+            self._tel.close()
         self._ended = _End()
 
     def __enter__(self) -> JaxLoader:
@@ -195,3 +247,15 @@ class JaxLoader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _process_all_gather() -> Any:
+    """`[ints] -> every process's [ints]` through `jax.distributed` (for a finite plan's end)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    def all_gather(values: list[int]) -> list[list[int]]:
+        got = multihost_utils.process_allgather(np.asarray(values, np.int32))
+        return np.asarray(got).reshape(-1, len(values)).tolist()
+
+    return all_gather

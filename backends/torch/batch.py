@@ -40,6 +40,9 @@ _TENSOR_DTYPES = frozenset(np.dtype(d) for d in (
 class TorchBatch(dict):
     """`{field: Tensor}` (numpy arrays for fields torch cannot hold) with `micro_batches(n)`."""
 
+    #: (worker, stage seconds, bytes read, workers) of the process that built it (telemetry)
+    telemetry: tuple[int, dict[str, float], int, int] | None = None
+
     def micro_batches(self, n: int) -> list[TorchBatch]:
         """`n` micro-batches (see `micro_batches`)."""
         return micro_batches(self, n)

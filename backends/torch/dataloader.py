@@ -10,6 +10,7 @@ that change the number of records (filters, packing): each takes a block of the 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,9 @@ from torch.utils.data import DataLoader, get_worker_info
 from zephon.backends.torch.batch import TorchBatch, _can_pin
 from zephon.backends.torch.dataset import WorkerPart, ZephonIterableDataset
 from zephon.errors import PlanError, StateError
+from zephon.telemetry import Stats, Telemetry
+from zephon.telemetry import make as telemetry_recorder
+from zephon.telemetry import require as require_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +77,22 @@ class ZephonDataLoader(DataLoader):
     """A `DataLoader` over a `ZephonIterableDataset` with StatefulDataLoader-style state.
 
     `state_dict()` describes the batches handed to the training loop, not those workers have
-    prefetched; `load_state_dict()` makes the next `iter()` continue from there. Iterating again
-    continues where the last iteration stopped: a Zephon plan spans all epochs (use
-    `.repeat(epochs)`; each epoch is reshuffled), so the loader is a cursor over global steps.
+    prefetched; `load_state_dict()` makes the next `iter()` continue from there. Over a finite
+    plan every `iter()` is an epoch, as in torch: after the first, each starts the next pass —
+    in the order `repeat()` gives it (reshuffled) — unless `set_epoch(e)` or `load_state_dict`
+    chose where it starts; the state records the epoch. A plan that repeats forever spans all
+    epochs itself, and iterating again continues where the last iteration stopped.
 
     With `num_workers=W > 0`, a one-to-one pipeline is split by step (worker w computes steps
     `start+w, start+w+W, ...`); a count-changing one (filter, flat map, packing) by lanes: worker
     w runs the w-th of W equal blocks of this rank's lanes (W must divide them) and reports their
     position with its rows; this loader joins the W parts of each step in lane order and keeps
     the merged position of the last batch it handed out. The batches are the same for every W.
+
+    `stats()` (telemetry, on by default; `telemetry=False` or a `zephon.Telemetry(...)`) times
+    how long the training loop waited for each batch (stall %) and sums the stage times every
+    worker reports with its batches (read, ops, assembly, emit), so a stage that keeps its
+    workers busy while the loop stalls is the one to give more workers.
 
     Batch-shaping options (`batch_size`, `sampler`, `collate_fn`, ...) do not exist: the plan
     decides batches. Workers are never persistent, so each `iter()` starts them at the cursor,
@@ -90,7 +101,8 @@ class ZephonDataLoader(DataLoader):
 
     def __init__(self, dataset: ZephonIterableDataset, *, num_workers: int = 0,
                  pin_memory: bool = False, timeout: float = 0, worker_init_fn: Any = None,
-                 multiprocessing_context: Any = None, prefetch_factor: int | None = None) -> None:
+                 multiprocessing_context: Any = None, prefetch_factor: int | None = None,
+                 telemetry: bool | Telemetry = True) -> None:
         if not isinstance(dataset, ZephonIterableDataset):
             raise PlanError(f"ZephonDataLoader needs a ZephonIterableDataset, got "
                             f"{type(dataset).__name__}; wrap your plan and sources in one.")
@@ -110,6 +122,10 @@ class ZephonDataLoader(DataLoader):
         self._consumed = 0  # batches handed out by the newest iteration (one-to-one, or in-process)
         self._position: dict[str, Any] | None = None  # after the last joined batch (parts)
         self._generation = 0
+        self._fresh = True  # the next iter() starts at the dataset's start, not the next epoch
+        n = dataset.plan.num_steps
+        self._tel = telemetry_recorder(telemetry if dataset.telemetry else False,
+                                       None if n is None else max(0, n - dataset.start_step))
 
     def _current(self) -> dict[str, Any]:
         """Position after the last batch handed out."""
@@ -119,13 +135,15 @@ class ZephonDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:  # type: ignore[override]
         ds: ZephonIterableDataset = self.dataset  # type: ignore[assignment]
-        if self._consumed or self._position is not None:
+        if not self._fresh and ds.finite:
+            ds.start_epoch(ds.epoch + 1)
+        elif self._consumed or self._position is not None:
             ds.continue_from(self._current())
-            self._consumed, self._position = 0, None
-        if ds.one_to_one and ds.plan.num_steps is not None and len(ds) == 0:
-            log.warning("ZephonDataLoader is at the end of its plan (%d global batches): nothing "
-                        "is left to yield. Build the plan with .repeat(epochs) to train longer, or "
-                        "load_state_dict() an earlier state to replay.", ds.plan.num_steps)
+        self._consumed, self._position = 0, None
+        self._fresh = False
+        if self._joins_parts:
+            ds.settle(workers=True)  # the workers are told where the plan ends
+        self._IterableDataset_len_called = None  # a len() of the last epoch is not this one's
         self._generation += 1
         if self._joins_parts:
             return self._joined(super().__iter__(), self._generation, ds.start_step)
@@ -138,30 +156,63 @@ class ZephonDataLoader(DataLoader):
                              "consume one iterator at a time.")
 
     def _counted(self, batches: Iterator[dict[str, Any]], generation: int) -> Iterator[dict[str, Any]]:
-        for batch in batches:
+        tel = self._tel
+        while True:
+            t0 = tel.begin() if tel is not None else 0.0
+            batch = next(batches, None)
+            if batch is None:
+                if tel is not None:
+                    tel.end(t0, None)
+                return
             self._superseded(generation)
             self._consumed += 1
+            if tel is not None:
+                self._report(tel, [batch])
+                tel.end(t0, batch)
             yield batch
+
+    @staticmethod
+    def _report(tel: Telemetry, batches: Sequence[Any]) -> None:
+        """Takes the stage times the producing workers attached to their batches."""
+        for b in batches:
+            snap = getattr(b, "telemetry", None)
+            if snap is not None:
+                worker, stages, nbytes, workers = snap
+                tel.external(f"worker {worker}", stages, nbytes, workers)
+
+    def stats(self) -> Stats:
+        """Telemetry so far: the loop's stall %, the workers' stage times, rows/tokens/bytes."""
+        return require_telemetry(self._tel, "this ZephonDataLoader").stats()
 
     def _joined(self, parts: Iterator[WorkerPart], generation: int, step: int) -> Iterator[dict[str, Any]]:
         workers = self.num_workers
         pin = self.pin_memory and _can_pin()
         plan = self.dataset.plan  # type: ignore[attr-defined]
+        tel = self._tel
         while True:
+            t0 = tel.begin() if tel is not None else 0.0
             group: list[WorkerPart] = []
             for w in range(workers):
                 part = next(parts, None)
                 if part is None or part.step != step or part.worker != w:
                     # the plan ended: a worker whose lanes ran out stopped, and DataLoader goes
                     # on with the others; the step is incomplete, as it is for one loader
+                    if tel is not None:
+                        tel.end(t0, None)
                     return
                 group.append(part)
             self._superseded(generation)
+            t1 = time.perf_counter()
             batch = join_parts(group, plan.per_lane_at(step), pin)
+            if tel is not None:
+                tel.add("assembly", time.perf_counter() - t1)
+                self._report(tel, [p.data for p in group])
+                tel.end(t0, batch)
             shift = group[0].position.get("lane_shift")  # a run resumed at another batch size
             self._position = {"step": step + 1,
                               "lanes": {k: v for p in group for k, v in p.position["lanes"].items()},
-                              **({"lane_shift": shift} if shift else {})}
+                              **({"lane_shift": shift} if shift else {}),
+                              **({"epoch": group[0].position["epoch"]} if "epoch" in group[0].position else {})}
             step += 1
             yield batch
 
@@ -177,6 +228,14 @@ class ZephonDataLoader(DataLoader):
         self.dataset.restore(state, allow_batch_change=allow_batch_change)  # type: ignore[attr-defined]
         self._consumed, self._position = 0, None
         self._generation += 1
+        self._fresh = True
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next `iter()` starts pass `epoch` over the finite plan (torch's convention)."""
+        self.dataset.start_epoch(epoch)  # type: ignore[attr-defined]
+        self._consumed, self._position = 0, None
+        self._generation += 1
+        self._fresh = True
 
 
 def _fork_unsafe(sources: Any) -> bool:

@@ -19,7 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from zephon.backends.torch.batch import Emitter
 from zephon.backends.torch.loader import Sources
-from zephon.backends.torch.placement import data_parallel
+from zephon.backends.torch.placement import all_gather_fn, data_parallel
 from zephon.backends.torch.state import seek_position, state_document
 from zephon.errors import PlanError, StateError
 from zephon.exec.loader import Loader
@@ -63,7 +63,13 @@ class ZephonIterableDataset(IterableDataset):
     DataLoader cannot join them, so it gets such a pipeline with `num_workers <= 1` only.
 
     Keep `in_order=True` (the default) with workers. A `runner` runs inside whichever process
-    iterates; other keyword arguments go to `zephon.Loader`.
+    iterates; other keyword arguments go to `zephon.Loader`. With `telemetry=True` (the
+    default) every batch carries its loader's stage times (`TorchBatch.telemetry`), which
+    `ZephonDataLoader.stats()` sums over its workers.
+
+    A finite plan's end (`len()`) is learnt in the main process, through `torch.distributed`
+    when its pipeline changes the number of records, and handed to the loaders it starts.
+    `start_epoch(e)` moves the start to step 0 of pass `e` (what `ZephonDataLoader` does).
     """
 
     def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Operator] = (), *,
@@ -71,39 +77,85 @@ class ZephonIterableDataset(IterableDataset):
                  group: dist.ProcessGroup | None = None, runner: Runner | None = None, start_step: int = 0,
                  dtypes: Mapping[str, Any] | None = None, **loader_options: Any) -> None:
         self.plan, self.sources, self.transforms = plan, sources, tuple(transforms)
+        self._all_gather = loader_options.pop("all_gather", None) or all_gather_fn(group)
+        self.telemetry = bool(loader_options.pop("telemetry", True))  # per-process recorders
         micro = loader_options.pop("micro_batches", None)  # this rank's rows, not a worker's part
         self.loader_options = loader_options
+        self._end: int | None = None  # the plan's end in the start's epoch, once known
         self.seed, self.runner = int(seed), runner
         self.rank, self.world = data_parallel(rank, world, group)
         if micro is not None:
             check_micro_schedule(plan, micro, self.world)
         self.emitter = Emitter.make(dtypes)
-        main = self._loader(start_step)
+        main = self._loader(start_step, main=True)
         self.one_to_one = main.random_access
         self._main: Loader | None = main  # builds states and checks restores; never iterated
         self._start: dict[str, Any] = main.position()
         self._live: Loader | None = None  # the main-process loader of the newest iter()
         self._parts = False  # set in the workers of a ZephonDataLoader (count-changing pipelines)
+        self.settle()
 
     def _loader(self, start_step: int = 0, runner: Runner | None = None, rank: int | None = None,
-                world: int | None = None) -> Loader:
-        """A loader at `start_step`; only iterating ones get the runner (closing a loader closes it)."""
+                world: int | None = None, main: bool = False) -> Loader:
+        """A loader at `start_step`; only iterating ones get the runner (closing a loader closes it);
+        the main one agrees on the plan's end with the other ranks, the others are told it."""
         return Loader(self.plan, self.sources, self.transforms, seed=self.seed,
                       rank=self.rank if rank is None else rank, world=self.world if world is None else world,
-                      runner=runner, start_step=start_step, **self.loader_options)
+                      runner=runner, start_step=start_step, epoch=self.epoch, end=None if main else self._end,
+                      all_gather=self._all_gather if main else None, telemetry=self.telemetry,
+                      **self.loader_options)
+
+    def _emit(self, loader: Loader, batch: Any, worker: int) -> Any:
+        """The batch as tensors; with telemetry, timed and carrying this process's stage times."""
+        tel = loader.telemetry
+        if tel is None:
+            return self.emitter(batch)
+        out = tel.timed("emit", self.emitter, batch)
+        out.telemetry = (worker, *tel.snapshot())
+        return out
 
     def _main_loader(self) -> Loader:
         if self._main is None:
-            self._main = self._loader()
+            self._main = self._loader(main=True)
         return self._main
 
     def __getstate__(self) -> dict[str, Any]:
-        # live loaders hold generators, and workers build their own
-        return {**self.__dict__, "_live": None, "_main": None}
+        # live loaders hold generators, and workers build their own; they are told the end
+        return {**self.__dict__, "_live": None, "_main": None, "_all_gather": None}
 
     @property
     def start_step(self) -> int:
         return int(self._start["step"])
+
+    @property
+    def epoch(self) -> int:
+        """The pass over a finite plan that iterations start in."""
+        start = getattr(self, "_start", None)
+        return int(start.get("epoch", 0)) if start else 0
+
+    @property
+    def finite(self) -> bool:
+        return self._main_loader().finite
+
+    def settle(self, workers: bool = False) -> None:
+        """Learns the plan's end in the start's epoch where loaders need it told: ranks of
+        world > 1 agree on it (every rank calls this), and DataLoader workers, each with a part
+        of the lanes, get it from here (`workers=True` counts it if no one has)."""
+        main = self._main_loader()
+        if main.epoch != self.epoch:
+            main.set_epoch(self.epoch)
+        main.settle_end()
+        if workers and main.finite and not main.random_access:
+            main.end_step()
+        self._end = main.end_if_known()
+
+    def start_epoch(self, epoch: int) -> None:
+        """Future iterations start at step 0 of pass `epoch` over the finite plan."""
+        main = self._main_loader()
+        main.set_epoch(epoch)
+        self._start = main.position()
+        self._end = None
+        self.settle()
 
     def worker_rank(self, worker: int, workers: int) -> tuple[int, int]:
         """(rank, world) of a Loader over worker `worker`'s block of this rank's lanes.
@@ -134,10 +186,16 @@ class ZephonIterableDataset(IterableDataset):
         main = self._main_loader()
         main.restore(state, allow_batch_change=allow_batch_change)  # checks plan, seed, pipeline and lanes
         self._start = main.position()
+        self._end = None
+        self.settle()
 
     def continue_from(self, position: Mapping[str, Any]) -> None:
         """Future iterations start at `position` (a position this job's loaders reported)."""
+        epoch = self.epoch
         self._start = copy.deepcopy(dict(position))
+        if self.epoch != epoch:
+            self._end = None
+            self.settle()
 
     def state_from(self, position: Mapping[str, Any]) -> dict[str, Any]:
         """The state document (torch's `state_dict()` form) at `position`."""
@@ -165,15 +223,12 @@ class ZephonIterableDataset(IterableDataset):
         return self.state_from(self.position_after(consumed))
 
     def __len__(self) -> int:
-        """Batches left from the start state (only for finite plans of one-to-one pipelines)."""
-        n = None
-        if self.one_to_one:  # the plan's count, unless the run resumed at another batch size
-            main = self._main_loader()
-            main.seek_position(self._start)
-            n = main.num_steps
+        """Batches left from the start state in its epoch (finite plans only)."""
+        main = self._main_loader()
+        main.seek_position(self._start)  # its epoch, and a run resumed at another batch size
+        n = main.end_step()
         if n is None:
-            raise TypeError("this Zephon dataset has no length: its plan repeats forever or its "
-                            "pipeline changes the number of records.")
+            raise TypeError("this Zephon dataset has no length: its plan repeats forever.")
         return max(0, n - self.start_step)
 
     def __iter__(self) -> Iterator[Any]:
@@ -188,7 +243,7 @@ class ZephonIterableDataset(IterableDataset):
             if info is None:
                 self._live = loader
             for batch in loader:
-                yield self.emitter(batch)
+                yield self._emit(loader, batch, worker)
             return
         if not self.one_to_one:
             raise PlanError(f"this pipeline changes the number of records, so its lanes advance "
@@ -196,7 +251,7 @@ class ZephonIterableDataset(IterableDataset):
                             "use ZephonDataLoader (its workers split the lanes and it joins their "
                             "rows), or num_workers=0 or 1.")
         for batch in loader.strided(loader.step + worker, workers):
-            yield self.emitter(batch)
+            yield self._emit(loader, batch, worker)
 
     def _iter_parts(self, worker: int, workers: int) -> Iterator[WorkerPart]:
         rank, world = self.worker_rank(worker, workers)
@@ -205,5 +260,5 @@ class ZephonIterableDataset(IterableDataset):
         lanes = [int(l) for l in loader.owned]
         for batch in loader:
             # a copy: the part is pickled later, by the queue's feeder thread
-            yield WorkerPart(batch.step, worker, lanes, self.emitter(batch),
+            yield WorkerPart(batch.step, worker, lanes, self._emit(loader, batch, worker),
                              copy.deepcopy(loader.position()))

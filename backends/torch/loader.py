@@ -5,6 +5,7 @@ Parallelism comes from a Zephon runner; optional `DTensor` output over a device 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from zephon.backends.torch.batch import Emitter
-from zephon.backends.torch.placement import MeshDims, data_parallel, mesh_data_parallel, to_dtensors
+from zephon.backends.torch.placement import MeshDims, all_gather_fn, data_parallel, mesh_data_parallel, to_dtensors
 from zephon.backends.torch.state import state_document
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader, LocalBatch
@@ -21,6 +22,9 @@ from zephon.ops.base import Operator
 from zephon.plan import Batch
 from zephon.runners.base import Runner
 from zephon.sources.base import RecordSource
+from zephon.telemetry import Stats
+from zephon.telemetry import make as telemetry_recorder
+from zephon.telemetry import require as require_telemetry
 
 Sources = RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource]
 
@@ -32,6 +36,14 @@ class TorchLoader:
     `group`), or come from `mesh` (then fields are `DTensor`s sharded on dim 0 over
     `mesh_dims`); plus the `Emitter` options `dtypes`, `pin_memory`, `device`. Other keyword
     arguments go to `zephon.Loader` (e.g. `read_ahead`). `close()` closes the runner.
+    `telemetry` (True by default, False, or a `zephon.Telemetry(...)`) backs `stats()`: the
+    caller's wait in `next()` (stall %), the loader's stages and the emit stage (tensors, casts,
+    pinning, device transfer).
+
+    A finite plan ends at the same step on every rank (ranks agree through `torch.distributed`
+    when its pipeline changes the number of records), `len()` is the steps left, and every
+    `iter()` after the first starts the next epoch — the order `repeat()` gives its next pass —
+    unless `set_epoch(e)` or `load_state_dict` chose where the next one starts.
     """
 
     def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Operator] = (), *,
@@ -50,8 +62,17 @@ class TorchLoader:
             rank, world = mesh_data_parallel(mesh, mesh_dims)
         else:
             rank, world = data_parallel(rank, world, group)
+        loader_options.setdefault("all_gather", all_gather_fn(group))
+        n = plan.num_steps
+        self._tel = telemetry_recorder(loader_options.pop("telemetry", True),
+                                       None if n is None else max(0, n - start_step))
         self.loader = Loader(plan, sources, transforms, seed=seed, rank=rank, world=world,
-                             runner=runner, start_step=start_step, **loader_options)
+                             runner=runner, start_step=start_step, telemetry=self._tel is not None,
+                             **loader_options)
+        if self._tel is not None and self.loader.telemetry is not None:
+            self._tel.include(self.loader.telemetry)
+        self.loader.settle_end()
+        self._fresh = True  # the next iter() continues here instead of starting the next epoch
         self.emitter = Emitter.make(dtypes, pin_memory, device)
         self._mesh, self._mesh_dims = mesh, mesh_dims
         self._provenance: LocalBatch | None = None
@@ -69,14 +90,45 @@ class TorchLoader:
         """The next global batch this loader yields."""
         return self.loader.step
 
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    def __len__(self) -> int:
+        """Global batches left in this epoch of a finite plan (TypeError if it repeats forever)."""
+        return len(self.loader)
+
     def __iter__(self) -> TorchLoader:
+        if not self._fresh and self.loader.finite:
+            self.set_epoch(self.loader.epoch + 1)
+        self._fresh = False
         return self
 
+    def set_epoch(self, epoch: int) -> None:
+        """The next `iter()` starts pass `epoch` over the finite plan (torch's convention)."""
+        self.loader.set_epoch(epoch)
+        self.loader.settle_end()
+        self._fresh = True
+
     def __next__(self) -> dict[str, Any]:
+        self._fresh = False
+        if self._tel is None:
+            return self._next_tensors()
+        return self._tel.step(self._next_tensors)
+
+    def _next_tensors(self) -> dict[str, Any]:
         batch = next(self.loader)
+        t0 = time.perf_counter()
         out = self.emitter(batch)
         self._provenance = replace(batch, data={})
-        return out if self._mesh is None else to_dtensors(out, self._mesh, self._mesh_dims)
+        out = out if self._mesh is None else to_dtensors(out, self._mesh, self._mesh_dims)
+        if self._tel is not None:
+            self._tel.add("emit", time.perf_counter() - t0)
+        return out
+
+    def stats(self) -> Stats:
+        """Telemetry so far: stall %, stage times, rows/tokens/bytes (see `zephon.telemetry`)."""
+        return require_telemetry(self._tel, "this TorchLoader").stats()
 
     @property
     def provenance(self) -> LocalBatch | None:
@@ -101,9 +153,13 @@ class TorchLoader:
         `allow_batch_change=True` accepts a state saved under another global batch size: every
         lane continues where it stopped (see `zephon.Loader.restore`)."""
         self.loader.restore(state, allow_batch_change=allow_batch_change)
+        self.loader.settle_end()
+        self._fresh = True
 
     def close(self) -> None:
         self.loader.close()
+        if self._tel is not None:
+            self._tel.close()
 
     def __enter__(self) -> TorchLoader:
         return self

@@ -56,6 +56,26 @@ def data_parallel(rank: int | None = None, world: int | None = None,
     return 0, 1
 
 
+def all_gather_fn(group: dist.ProcessGroup | None = None) -> Any:
+    """The all-gather ranks agree on a finite plan's end with (`zephon.exec.end`), through
+    `torch.distributed` (in `group`); None when it is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return _TorchGather(group)
+
+
+class _TorchGather:
+    """`[ints] -> every rank's [ints]` with `dist.all_gather_object` (two integers, once an epoch)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def __call__(self, values: list[int]) -> list[list[int]]:
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, list(values), group=self.group)
+        return out
+
+
 def _mesh_dims(mesh: Any, mesh_dims: MeshDims) -> list[int]:
     """Mesh dims the batch is split over, as indices in mesh order."""
     if mesh_dims is None:

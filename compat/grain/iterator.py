@@ -17,6 +17,7 @@ import grain
 
 from zephon.errors import StateError
 from zephon.exec.loader import Loader, LocalBatch
+from zephon.telemetry import Stats, Telemetry
 
 from .records import RECORD, RNG, collate, elements, grain_strings, unflatten_columns
 
@@ -50,15 +51,29 @@ class Iterator(grain.DatasetIterator):
     save and restore it like any Grain iterator. The state is Zephon's one JSON state document
     (plan fingerprint, step, lane cursors) that every emitter reads and writes; unbatched
     iteration adds `elements_taken`, the offset inside a step.
+
+    Over a finite plan, `set_epoch(e)` goes to the start of pass `e` — the order `repeat()` gives
+    it — and the state records the epoch. `iter()` of the iterator is the iterator itself, as
+    Grain's are (Grain's own steps call it on every batch), so an epoch loop calls `set_epoch`.
     """
 
     def __init__(self, loader: Loader, *, batched: bool = True) -> None:
         super().__init__()
         self.loader = loader
+        # telemetry: this iterator's waits and its conversion time, plus the loader's stages
+        self._tel = Telemetry(total=loader.telemetry.total) if loader.telemetry is not None else None
+        if self._tel is not None:
+            self._tel.include(loader.telemetry)  # type: ignore[arg-type]
         self.batched = batched
         self._rows: list[Any] = []
         self._taken = 0
         self._before: dict[str, Any] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Goes to the start of pass `epoch` over the finite plan."""
+        self.loader.set_epoch(epoch)
+        self.loader.settle_end()
+        self._rows, self._taken = [], 0
 
     @staticmethod
     def emit(batch: LocalBatch, *, batched: bool) -> Any:
@@ -69,13 +84,27 @@ class Iterator(grain.DatasetIterator):
     def __next__(self) -> Any:
         self._assert_not_closed()
         if self.batched:
-            return self.emit(next(self.loader), batched=True)
+            if self._tel is None:
+                return self.emit(next(self.loader), batched=True)
+            return self._tel.step(self._next_timed)
         while self._taken >= len(self._rows):
             self._before = self.loader.position()
             self._rows = self.emit(next(self.loader), batched=False)
             self._taken = 0
         self._taken += 1
         return self._rows[self._taken - 1]
+
+    def _next_timed(self) -> Any:
+        assert self._tel is not None
+        batch = next(self.loader)
+        return self._tel.timed("emit", self.emit, batch, batched=True)
+
+    def stats(self) -> Stats:
+        """Telemetry so far (see `zephon.telemetry`): batched iteration times this iterator's
+        `next()`; unbatched iteration reports the loader's, per step."""
+        if self._tel is None or not self.batched:
+            return self.loader.stats()
+        return self._tel.stats()
 
     @property
     def step(self) -> int:

@@ -1,5 +1,6 @@
 """The demo pipelines `zephon verify` checks by default, importable by name (also in the other
-processes of a multi-process run) as `zephon.cli:demo_shuffle`, `:demo_filter`, `:demo_lm`."""
+processes of a multi-process run) as `zephon.cli:demo_shuffle`, `:demo_filter`, `:demo_lm`,
+`:demo_eval` (a finite, padded one)."""
 
 from __future__ import annotations
 
@@ -81,4 +82,23 @@ def demo_lm() -> Any:
     return Pipeline(plan, srcs, [Tokenize(str(d / "tokenizer.json"), eos=EOS_ID), Pack(256, "concat")])
 
 
-DEMO_PIPELINES = ("zephon.cli:demo_shuffle", "zephon.cli:demo_filter", "zephon.cli:demo_lm")
+def demo_eval() -> Any:
+    """An evaluation set: the two corpora once each (a finite mix by tokens that reads every
+    document, `stop="all"`), tokenized and packed, the last steps padded (`remainder="pad"`):
+    every token exactly once, the same end at every D."""
+    from zephon.ops.pack import Pack
+    from zephon.ops.tokenize import Tokenize
+    from zephon.plan import Mix
+    from zephon.sources import JsonlSource
+    from zephon.testing import Pipeline
+    from zephon.textdata import EOS_ID
+
+    d = _demo_dir()
+    srcs = [JsonlSource(str(d / "prose.jsonl")), JsonlSource(str(d / "code.jsonl"))]
+    plan = Mix([Source(400, id=0, name="prose"), Source(300, id=1, name="code").shuffle(3)], [0.7, 0.3],
+               by="tokens", stop="all").lanes(8).batch(32, remainder="pad")
+    return Pipeline(plan, srcs, [Tokenize(str(d / "tokenizer.json"), eos=EOS_ID), Pack(256, "first_fit")])
+
+
+DEMO_PIPELINES = ("zephon.cli:demo_shuffle", "zephon.cli:demo_filter", "zephon.cli:demo_lm",
+                  "zephon.cli:demo_eval")

@@ -5,51 +5,40 @@ keep one output per input take the random-access path (`zephon.exec.steps`): lan
 `step × B/L`, any step is computed directly and a restore is O(1). Every other pipeline — filters,
 flat maps, tokenize-and-split, packing, a mix by tokens — runs on the lane engine
 (`zephon.exec.lanes`): windows of lane inputs in parallel on the runner, lanes assembled in order,
-per-lane positions and carries in the state. Both paths write the same state format.
-
-What it yields, `LocalBatch` (with `micro_batches(n)`), is defined in `zephon.exec.batch`.
+per-lane positions and carries in the state. Both paths write the same state format. What it
+yields, `LocalBatch` (with `micro_batches(n)`), is defined in `zephon.exec.batch`.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from zephon.accounting import domain_fields
-from zephon.checkpoint import STATE_VERSION, check_state_version, state_checksum
+from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.batch import LocalBatch, check_micro_count
+from zephon.exec.end import AllGather, FiniteEnd
 from zephon.exec.lanes import LaneEngine
+from zephon.exec.padding import VALID, Schema
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.resize import batch_change, check_micro_schedule, lane_shift_of
-from zephon.exec.state import LaneState
-from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps, leaf_sources
+from zephon.exec.state import LaneState, check_state, merge_states
+from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps, leaf_sources, plan_nodes
 from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transforms
-from zephon.ops.mix import PerSource
 from zephon.plan import Batch, Mix, Refs, plan_diff
 from zephon.sources.base import Columns, RecordSource
+from zephon.telemetry import StageSink, Stats, Telemetry
+from zephon.telemetry import make as telemetry_recorder
+from zephon.telemetry import require as require_telemetry
 
 if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
     from zephon.runners.base import Runner
 
-log = logging.getLogger(__name__)
-
-
-def _as_ops(transforms: Sequence[Any], per_source: Mapping[int, Sequence[Transform]] | None
-            ) -> tuple[Any, ...]:
-    ops = tuple(transforms)
-    if per_source:
-        bad = [k for k in per_source if isinstance(k, bool) or not isinstance(k, (int, np.integer))]
-        if bad:
-            raise PlanError(f"per_source is keyed by Source id (an int), got keys {bad[:4]}")
-        ops = (PerSource({int(k): tuple(v) for k, v in per_source.items()}),) + ops
-    return ops
-
-
-class Loader:
+class Loader(FiniteEnd):
     """Iterates global batches `start, start+1, ...` of a plan, materialising owned rows only.
 
     Args:
@@ -71,15 +60,25 @@ class Loader:
         split a rank's lanes; `position()`/`state()` then cover just them (merge them).
       micro_batches: the micro-batch count the training loop will cut every batch into; checked
         here, against every batch size of the plan's schedule, instead of at the step it fails.
+      telemetry: True (default), False, or a `zephon.Telemetry(log_every=..., progress=...)`:
+        what `stats()` reports (stall, stage times, throughput). Never changes the data.
       domains: add per-domain accounting fields to every batch (`source_id`, and for packed
         rows `tokens_by_source`, `trained_by_source`; see `zephon.accounting`).
+      all_gather: `[ints] -> every rank's [ints]` through the runtime in use: how ranks agree on
+        a finite count-changing plan's end (`zephon.exec.end`; without one, each counts all lanes).
+      epoch: the pass over a finite plan (`repeat()`'s order); `set_epoch(e)`; in the state.
+      end: the plan's end step if known already (a DataLoader's workers are told it): no counting.
+
+    A finite plan ends at the same step on every rank (`Batch.remainder`); `len()`: steps left.
     """
 
     def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
                  transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
                  seed: int = 0, rank: int = 0, world: int = 1, runner: Runner | None = None, start_step: int = 0,
                  read_ahead: int | None = None, lanes: Sequence[int] | None = None,
-                 micro_batches: int | None = None, domains: bool = False) -> None:
+                 micro_batches: int | None = None, telemetry: bool | Telemetry = True,
+                 domains: bool = False, all_gather: AllGather | None = None, epoch: int = 0,
+                 end: int | None = None) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         self.plan = plan
@@ -92,9 +91,8 @@ class Loader:
                 raise PlanError(f"Source id {s.id} declares {s.size} records but its record source "
                                 f"has {len(self.sources[s.id])}; build the plan from len(source).")
         if isinstance(plan.lanes.child, Mix) is False and any(
-                isinstance(n, Mix) and n.by_tokens for n in _nodes(plan)):
-            raise PlanError("a Mix by tokens must be the direct child of .lanes(L): its schedule runs "
-                            "inside every lane.")
+                isinstance(n, Mix) and n.sequential for n in plan_nodes(plan)):
+            raise PlanError("a Mix by tokens (or stop='all') must be the direct child of .lanes(L).")
         for sid, src in self.sources.items():
             if not callable(getattr(src, "read", None)):
                 how = ("it has __len__ and __getitem__ (a Grain/torch-style source): wrap it in "
@@ -106,11 +104,11 @@ class Loader:
                                 f"{how} (e.g. zephon.sources.ArraySource for arrays in memory).")
         self.domains = bool(domains)
         self._n_sources = max((s.id for s in leaf_sources(plan)), default=0) + 1
-        self.pipeline = LanePipeline.split(_as_ops(transforms, per_source))
+        self.pipeline = LanePipeline.split(transforms, per_source)
         self.transforms = self.pipeline.ops
         if getattr(runner, "pickles", False):  # processes(): say so now, not at some later batch
             _check_picklable(self.transforms)
-        for what, v in (("seed", seed), ("rank", rank), ("world", world)):
+        for what, v in (("seed", seed), ("rank", rank), ("world", world), ("epoch", epoch)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise PlanError(f"Loader({what}=...) must be a non-negative integer, got {v!r}")
         self.seed = int(seed)
@@ -124,6 +122,14 @@ class Loader:
                 raise PlanError(f"lanes={list(lanes)} must be a non-empty, increasing subset of the "
                                 f"lanes rank {self.rank} of {self.world} owns ({self.owned.tolist()}).")
             self.owned = sub
+        self.all_gather = all_gather
+        self.epoch = int(epoch)
+        self._ends: dict[int, int | None] = {} if end is None else {self.epoch: int(end)}
+        self._schema: Schema | None = None
+        self._done = False  # the plan ended here (no more batches until set_epoch/restore)
+        self._exhausted = False  # every owned lane ran out: the steps left to the end are padding
+        #: every lane's state at a step, from a merged state restored here (for counting the end)
+        self._everyone: tuple[int, list[LaneState]] | None = None
         self.branches = len(plan.lanes.branches)
         self.token_mix = self.branches > 1
         #: Whether batches are random access (every lane position is `step × B/L`).
@@ -133,12 +139,16 @@ class Loader:
         self.read_ahead = READ_AHEAD_ROWS if read_ahead is None else check_positive_int(read_ahead, "read_ahead")
         #: lane positions relative to the plan's (a random-access run resumed at another batch size)
         self._shift = 0
-        self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed)
+        self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed, self.epoch)
         self._pending: Iterator[tuple[Columns, Refs]] | None = None
         self._busy = False  # a batch is being produced (a second thread gets a clear error)
         self._engine: LaneEngine | None = None
         self._step = 0
         self._lane_states: list[LaneState] = []
+        n = plan.num_steps
+        self._tel = telemetry_recorder(telemetry, None if n is None or not isinstance(start_step, int)
+                                       else max(0, n - start_step), getattr(runner, "workers", 1))
+        self._sink = StageSink(self._tel) if self._tel is not None else None
         if self.random_access:
             self.seek(start_step)
         else:
@@ -146,7 +156,11 @@ class Loader:
                 raise StateError(f"this pipeline changes the number of records ({self._why()}), so "
                                  f"its lanes cannot jump to step {start_step}; restore a state saved "
                                  "by state() instead.")
-            self._lane_states = [LaneState.start(self.branches, 0, self.token_mix) for _ in self.owned]
+            self._lane_states = self._start_states()
+
+    def _start_states(self, lanes: np.ndarray | None = None) -> list[LaneState]:
+        return [LaneState.start(self.branches, 0, self.token_mix)
+                for _ in (self.owned if lanes is None else lanes)]
 
     def _why(self) -> str:
         if self.pipeline.acc is not None:
@@ -165,7 +179,7 @@ class Loader:
         return self
 
     def _batch(self, step: int, cols: Columns, refs: Refs | None = None,
-               segments: Any = None) -> LocalBatch:
+               segments: Any = None, valid: np.ndarray | None = None) -> LocalBatch:
         per = self.plan.per_lane_at(step)
         if self.pipeline.post:
             post_refs = Refs(np.repeat(self.owned, per),
@@ -174,16 +188,17 @@ class Loader:
             cols, _ = run_transforms(self.pipeline.post, cols, post_refs, self.seed ^ 0x5EED)
         if self.domains:
             cols = {**cols, **domain_fields(cols, refs, segments, self._n_sources)}
+        if self.plan.pad:
+            if valid is None:
+                valid = refs.source >= 0 if refs is not None else np.ones(len(self.owned) * per, bool)
+            cols = {**cols, VALID: valid}
         return LocalBatch(step, cols, self.owned, per, self.plan.size_at(step), refs, segments)
 
     @property
     def num_steps(self) -> int | None:
         """Global batches of a random-access run (None if infinite or not random access);
         the plan's `num_steps`, unless it resumed at another batch size."""
-        n = self.plan.lanes.lane_length()
-        if n is None or not self.random_access:
-            return None if n is None else self.plan.num_steps
-        return self.plan.sizes.steps_within(n - self._shift)
+        return self.plan.steps_over(self._shift) if self.random_access else self.plan.num_steps
 
     def __next__(self) -> LocalBatch:
         if self._busy:
@@ -193,17 +208,28 @@ class Loader:
                             "or hand batches from one thread to the others through a queue.")
         self._busy = True
         try:
-            return self._next()
+            return self._next() if self._sink is None else self._sink.step(self._next)
         finally:
             self._busy = False
 
+    def stats(self) -> Stats:
+        """Telemetry so far: stall, stage times, rows/tokens/bytes (see `zephon.telemetry`)."""
+        return require_telemetry(self._tel, "this Loader").stats()
+
+    @property
+    def telemetry(self) -> Telemetry | None:
+        """The recorder behind `stats()` (None when built with telemetry=False)."""
+        return self._tel
+
     def _next(self) -> LocalBatch:
+        sink = self._sink
         if self.random_access:
             n = self.num_steps
             if n is not None and self._step >= n:
                 raise StopIteration
             if self._pending is None:
-                self._pending = iterate_steps(self._task, self.runner, self._step, self.read_ahead)
+                self._pending = iterate_steps(self._task, self.runner, self._step, self.read_ahead,
+                                              sink=sink)
             try:
                 cols, refs = next(self._pending)
             except BaseException:
@@ -211,18 +237,11 @@ class Loader:
                 raise
             batch = self._batch(self._step, cols, refs)
         else:
-            if self._engine is None:
-                self._engine = LaneEngine(self.plan, self.sources, self.pipeline, self.owned, self.seed,
-                                          self.runner, self.read_ahead, self._lane_states, self._step)
-            try:
-                cols, prov = self._engine.next()
-            except BaseException:
-                self._stop_pending()  # state stays after the last yielded batch
-                raise
+            cols, prov, valid = self._engine_step(sink)
             if isinstance(prov, Refs):
-                batch = self._batch(self._step, cols, refs=prov)
+                batch = self._batch(self._step, cols, refs=prov, valid=valid)
             else:
-                batch = self._batch(self._step, cols, segments=prov)
+                batch = self._batch(self._step, cols, segments=prov, valid=valid)
         self._step += 1
         return batch
 
@@ -235,6 +254,16 @@ class Loader:
         if engine is not None:
             self._lane_states = engine.states
             engine.close()
+
+    def _moved(self, step: int, epoch: int) -> None:
+        """The loader was put at `step` of `epoch` (a seek or a restore)."""
+        self._stop_pending()
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._task = dataclasses.replace(self._task, epoch=epoch)
+        self._step = step
+        self._done = self._exhausted = False
+        self._everyone = None
 
     def _need_random_access(self, what: str) -> None:
         if not self.random_access:
@@ -250,7 +279,9 @@ class Loader:
         n = self.num_steps
         if n is not None and start >= n:
             return
-        for k, (cols, refs) in enumerate(iterate_steps(self._task, self.runner, start, self.read_ahead, stride)):
+        sink = self._sink
+        for k, (cols, refs) in enumerate(iterate_steps(self._task, self.runner, start, self.read_ahead, stride,
+                                                       sink=sink)):
             yield self._batch(start + k * stride, cols, refs)
 
     def batch(self, step: int) -> LocalBatch:
@@ -263,6 +294,8 @@ class Loader:
     def close(self) -> None:
         """Stops prefetching and closes the runner (its workers and shared memory)."""
         self._stop_pending()
+        if self._tel is not None:
+            self._tel.close()
         closer = getattr(self.runner, "close", None)
         if closer is not None:
             closer()
@@ -288,16 +321,24 @@ class Loader:
             acc = self.pipeline.acc is not None
             states = self._engine.states if self._engine is not None else self._lane_states
             lanes = {str(int(l)): s.to_json(acc) for l, s in zip(self.owned, states)}
-        return {"step": self._step, "lanes": lanes, **({"lane_shift": self._shift} if self._shift else {})}
+        out: dict[str, Any] = {"step": self._step, "lanes": lanes}
+        if self._shift:
+            out["lane_shift"] = self._shift
+        if self.epoch:  # the pass over a finite plan (absent: the first)
+            out["epoch"] = self.epoch
+        return out
 
     def state_from(self, position: Mapping[str, Any]) -> dict[str, Any]:
         """A full state document from a `position()` taken earlier (backends prefetch ahead)."""
         import zephon
 
-        shift = {"lane_shift": position["lane_shift"]} if position.get("lane_shift") else {}
-        return {"zephon_state": STATE_VERSION, "zephon_version": zephon.__version__, **self.identity(),
-                "plan": self.plan.to_json(),
-                "step": position["step"], "lanes": position["lanes"], **shift}
+        out = {"zephon_state": STATE_VERSION, "zephon_version": zephon.__version__, **self.identity(),
+               "plan": self.plan.to_json(),
+               "step": position["step"], "lanes": position["lanes"]}
+        for key in ("lane_shift", "epoch"):
+            if position.get(key):
+                out[key] = position[key]
+        return out
 
     def state(self) -> dict[str, Any]:
         """JSON state after the last yielded batch: identity, step, owned lanes' states."""
@@ -308,9 +349,7 @@ class Loader:
         if not self.random_access:
             raise StateError(f"seek() needs random access to steps, which {self._why()} prevents; "
                              "restore a saved state instead.")
-        step = self.plan.check_step(step)
-        self._stop_pending()
-        self._step = step
+        self._moved(self.plan.check_step(step), self.epoch)
 
     def restore(self, state: Mapping[str, Any], *, allow_batch_change: bool = False) -> None:
         """Continues from `state` (saved at any data-parallel degree of the same plan).
@@ -344,6 +383,8 @@ class Loader:
         if old is not None:  # the lanes stay where they are; this plan's steps start there
             step = state["step"]
             shift = old.lane_offset(step) + lane_shift_of(state) - self.plan.lane_offset(step)
+        if old is not None:
+            self._ends.clear()  # lanes went on under other batch sizes: their end is counted anew
         self.seek_position(state, lane_shift=shift)
 
     def seek_position(self, position: Mapping[str, Any], *, lane_shift: int | None = None) -> None:
@@ -354,6 +395,9 @@ class Loader:
         step = position.get("step") if isinstance(position, Mapping) else None
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateError(f"the state's step {step!r} is not a non-negative integer")
+        epoch = position.get("epoch", 0)
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise StateError(f"the state's epoch {epoch!r} is not a non-negative integer")
         if step > self.plan.max_step:
             raise StateError(f"the state's step {step} is beyond the last step this plan addresses "
                              f"({self.plan.max_step}, from 2**62 positions); the state was edited or "
@@ -377,11 +421,17 @@ class Loader:
                              f"{held if has else 'no lanes'} — another rank's (or worker's) state. "
                              "Restore each rank's own state, or merge every rank's state with "
                              "merge_states() and restore that at any data-parallel degree.")
-        limits = [self.plan.lanes.branch_length(b) for b in range(self.branches)]
-        parsed = [LaneState.from_json(lanes[str(int(l))], int(l), self.branches, self.token_mix, limits,
-                                      self.plan.lanes.max_index)
-                  for l in self.owned]
         shift = lane_shift_of(position) if lane_shift is None else int(lane_shift)
+        table = [self.plan.lanes.lane_limits(np.arange(count), b, self.plan.pad) for b in range(self.branches)]
+        if self.random_access and (n := self.plan.steps_over(shift)) is not None:
+            table = [np.full(count, self.plan.lane_offset(n) + shift)]  # the step's position, padding too
+
+        def parse(l: int) -> LaneState:
+            limits = [None if t is None else int(t[l]) for t in table]
+            return LaneState.from_json(lanes[str(l)], l, self.branches, self.token_mix, limits,
+                                       self.plan.lanes.max_index)
+
+        parsed = [parse(int(l)) for l in self.owned]
         if self.plan.lane_offset(step) + shift < 0:
             raise StateError(f"the state's lane_shift {shift} puts step {step} before the lanes' "
                              "first input; the state was edited.")
@@ -394,14 +444,14 @@ class Loader:
                                      f"{at}; the state was edited.")
             if shift != self._shift:
                 self._shift = shift
-                self._task = StepTask(self.plan, self.sources, self.pipeline.rows, self.owned,
-                                      self.seed, self._shift)
-            self.seek(step)
+                self._task = dataclasses.replace(self._task, shift=shift)
+            self._moved(step, epoch)
             return
-        self._stop_pending()
+        self._moved(step, epoch)
         self._shift = shift
-        self._step = step
         self._lane_states = parsed
+        if len(lanes) == count and len(self.owned) < count:  # a merged state: where every lane is
+            self._everyone = (step, [parse(l) for l in range(count)])
 
 
 def _check_picklable(ops: Sequence[Any]) -> None:
@@ -420,64 +470,6 @@ def _check_picklable(ops: Sequence[Any]) -> None:
                                 "function at module level (no lambda or closure), or use the "
                                 "threads() runner.") from e
 
-
-def _nodes(node: Any) -> Iterator[Any]:
-    yield node
-    kids = getattr(node, "children", None) or ((node.child,) if hasattr(node, "child") else ())
-    for c in kids:
-        yield from _nodes(c)
-
-
-def check_state(state: Any) -> None:
-    """Refuses what is not a Zephon state of a version this Zephon reads, naming the problem."""
-    if not isinstance(state, Mapping) or "zephon_state" not in state:
-        raise StateError("not a Zephon loader state (no 'zephon_state' key); pass the dict that "
-                         "Loader.state() (or state_dict()/get_state()) returned.")
-    check_state_version(state)
-    if state["zephon_state"] == 2:
-        raise StateError(f"this state has format 2 (before checksums); this Zephon reads format "
-                         f"{STATE_VERSION}. Upgrade its file with `zephon state resign FILE` (after "
-                         "checking it is the checkpoint you mean), then load it again.")
-    if state["zephon_state"] != STATE_VERSION:
-        raise StateError(f"this state has format {state['zephon_state']!r}; this Zephon reads format "
-                         f"{STATE_VERSION}. It was written by an older Zephon: restart from step 0 "
-                         "or resume with the version that wrote it.")
-    if "checksum" in state and state["checksum"] != state_checksum(state):
-        raise StateError("this state fails its 'checksum': it changed after save_state wrote it (a "
-                         "flipped bit or an edit) and could resume another stream. Load the file with "
-                         "load_state(); if you edited it on purpose, `zephon state resign FILE`.")
-    step = state.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise StateError(f"checkpoint step {step!r} is not a non-negative integer")
-
-
-def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Unions the lane states of every rank's `state()` taken at the same step."""
-    if not states:
-        raise StateError("merge_states needs at least one state")
-    for s in states:
-        check_state(s)
-        if not isinstance(s.get("lanes"), Mapping):
-            raise StateError(f"a state's 'lanes' is {type(s.get('lanes')).__name__}, expected an "
-                             "object {lane: state}; pass states as Loader.state() returns them.")
-    head = dict(states[0])
-    for s in states[1:]:
-        for key in ("plan_fingerprint", "seed", "pipeline", "step", "lane_shift"):
-            if s.get(key) != head.get(key):
-                raise StateError(f"cannot merge states with different {key}: "
-                                 f"{s.get(key)!r} != {head.get(key)!r}")
-    lanes: dict[str, Any] = {}
-    for i, s in enumerate(states):
-        for k, v in s["lanes"].items():
-            if k in lanes and lanes[k] != v:  # the result would depend on the argument order
-                raise StateError(f"cannot merge: lane {k} appears in two states with different "
-                                 f"positions ({lanes[k]!r} and, in state {i}, {v!r}); they were not "
-                                 "taken at the same step of one run. Merge the states every rank "
-                                 "saved at one step.")
-            lanes[k] = v
-    head.pop("checksum", None)  # a file's checksum: the merged document is a new one
-    head["lanes"] = lanes
-    return head
 
 
 __all__ = ["JSON", "LaneState", "Loader", "LocalBatch", "Operator", "check_micro_count", "check_micro_schedule",

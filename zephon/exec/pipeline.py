@@ -6,9 +6,11 @@ lane order; what follows it must keep one output per input, so it cannot move a 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from zephon.errors import PlanError
 from zephon.ops.base import Accumulator, Transform
@@ -23,7 +25,16 @@ class LanePipeline:
     post: tuple[Transform, ...] = ()
 
     @staticmethod
-    def split(ops: Sequence[Any]) -> LanePipeline:
+    def split(ops: Sequence[Any], per_source: Mapping[int, Sequence[Transform]] | None = None) -> LanePipeline:
+        """The pipeline of `ops`, after a `PerSource` of `per_source`'s row operators if given."""
+        ops = tuple(ops)
+        if per_source:
+            from zephon.ops.mix import PerSource
+
+            bad = [k for k in per_source if isinstance(k, bool) or not isinstance(k, (int, np.integer))]
+            if bad:
+                raise PlanError(f"per_source is keyed by Source id (an int), got keys {bad[:4]}")
+            ops = (PerSource({int(k): tuple(v) for k, v in per_source.items()}),) + ops
         rows: list[Transform] = []
         acc: Accumulator | None = None
         post: list[Transform] = []

@@ -40,14 +40,16 @@ class TokenSchedule:
     #: Counting in Python integers keeps the deficit exact at any count: in float64 two counts
     #: past 2**53 compare equal and the mix collapses onto one branch.
     scales: tuple[tuple[int | None, ...], ...]
-    count_field: str
+    count_field: str | None  # None: a mix by samples read whole (every record counts one)
     mask_field: str | None = None  # a mix by trained tokens: count the mask's non-zero tokens
+    read_all: bool = False  # Mix(stop="all"): an exhausted branch drops out, the others go on
 
     @staticmethod
     def of(mix: Mix) -> TokenSchedule:
         sets = [mix.weights] + [w for _, w in mix.schedule]
         return TokenSchedule((0,) + tuple(s for s, _ in mix.schedule), tuple(_scales(w) for w in sets),
-                             mix.count_field, mix.mask_field if mix.by == "trained_tokens" else None)
+                             mix.count_field if mix.by_tokens else None,
+                             mix.mask_field if mix.by == "trained_tokens" else None, mix.stop == "all")
 
     def restarts(self, step: int) -> bool:
         """Whether the weights change at `step` (the lanes' counters start from zero there)."""
@@ -64,6 +66,8 @@ class TokenSchedule:
                                 f"{sorted(cols)}); put a Chat (or a per-token mask) before the mix "
                                 "or set Mix(mask_field=...).")
             return int(np.count_nonzero(np.asarray(m[r])[1:]))
+        if self.count_field is None:
+            return 1
         v = cols.get(self.count_field)
         if v is None:
             raise PlanError(f"a Mix by tokens counts the length of column {self.count_field!r}, "
@@ -74,7 +78,9 @@ class TokenSchedule:
     def candidates(self, peek: Peek, count: int, mix: Sequence[int], step: int
                    ) -> tuple[list[tuple[Window, int]], list[int]]:
         """The lane's next `count` inputs for `step` and their branches, from the lane's counters
-        `mix`; fewer when a branch's lane ran out (a finite mix ends there)."""
+        `mix`; fewer when a branch's lane ran out (a finite mix ends there) — or, reading every
+        child whole, when every branch with a weight ran out (until then the exhausted ones drop
+        out and the rest keep their relative weights)."""
         scales = self.scales[bisect.bisect_right(self.starts, step) - 1]
         live = [b for b, m in enumerate(scales) if m is not None]
         keys = [int(c) * (m or 0) for c, m in zip(mix, scales)]
@@ -83,12 +89,15 @@ class TokenSchedule:
         peeked: list[list[tuple[Window, int]]] = [[] for _ in range(nb)]
         rows: list[tuple[Window, int]] = []
         branches: list[int] = []
-        while len(rows) < count:
+        while len(rows) < count and live:
             b = min(live, key=keys.__getitem__)  # the branch furthest behind; ties: the lowest
             if depth[b] == len(peeked[b]):
                 peeked[b] = peek(b, depth[b] + max(4, count))
                 if depth[b] == len(peeked[b]):
-                    break
+                    if not self.read_all:
+                        break
+                    live.remove(b)
+                    continue
             win, r = peeked[b][depth[b]]
             depth[b] += 1
             rows.append((win, r))

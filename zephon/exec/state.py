@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from zephon.checkpoint import STATE_VERSION, check_state_version, state_checksum
 from zephon.errors import StateError
 from zephon.plan import MAX_POSITION
 
@@ -103,3 +104,55 @@ def canonical(cursor: np.ndarray, skip: np.ndarray, expands: bool) -> tuple[np.n
     if expands:
         return cursor, skip
     return cursor + (skip > 0), np.zeros_like(skip)
+
+
+def check_state(state: Any) -> None:
+    """Refuses what is not a Zephon state of a version this Zephon reads, naming the problem."""
+    if not isinstance(state, Mapping) or "zephon_state" not in state:
+        raise StateError("not a Zephon loader state (no 'zephon_state' key); pass the dict that "
+                         "Loader.state() (or state_dict()/get_state()) returned.")
+    check_state_version(state)
+    if state["zephon_state"] == 2:
+        raise StateError(f"this state has format 2 (before checksums); this Zephon reads format "
+                         f"{STATE_VERSION}. Upgrade its file with `zephon state resign FILE` (after "
+                         "checking it is the checkpoint you mean), then load it again.")
+    if state["zephon_state"] != STATE_VERSION:
+        raise StateError(f"this state has format {state['zephon_state']!r}; this Zephon reads format "
+                         f"{STATE_VERSION}. It was written by an older Zephon: restart from step 0 "
+                         "or resume with the version that wrote it.")
+    if "checksum" in state and state["checksum"] != state_checksum(state):
+        raise StateError("this state fails its 'checksum': it changed after save_state wrote it (a "
+                         "flipped bit or an edit) and could resume another stream. Load the file with "
+                         "load_state(); if you edited it on purpose, `zephon state resign FILE`.")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise StateError(f"checkpoint step {step!r} is not a non-negative integer")
+
+
+def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Unions the lane states of every rank's `state()` taken at the same step."""
+    if not states:
+        raise StateError("merge_states needs at least one state")
+    for s in states:
+        check_state(s)
+        if not isinstance(s.get("lanes"), Mapping):
+            raise StateError(f"a state's 'lanes' is {type(s.get('lanes')).__name__}, expected an "
+                             "object {lane: state}; pass states as Loader.state() returns them.")
+    head = dict(states[0])
+    for s in states[1:]:
+        for key in ("plan_fingerprint", "seed", "pipeline", "step", "lane_shift", "epoch"):
+            if s.get(key) != head.get(key):
+                raise StateError(f"cannot merge states with different {key}: "
+                                 f"{s.get(key)!r} != {head.get(key)!r}")
+    lanes: dict[str, Any] = {}
+    for i, s in enumerate(states):
+        for k, v in s["lanes"].items():
+            if k in lanes and lanes[k] != v:  # the result would depend on the argument order
+                raise StateError(f"cannot merge: lane {k} appears in two states with different "
+                                 f"positions ({lanes[k]!r} and, in state {i}, {v!r}); they were not "
+                                 "taken at the same step of one run. Merge the states every rank "
+                                 "saved at one step.")
+            lanes[k] = v
+    head.pop("checksum", None)  # a file's checksum: the merged document is a new one
+    head["lanes"] = lanes
+    return head

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from zephon.errors import PlanError
+from zephon.exec.padding import Schema, scatter, schema_of
 from zephon.ops.base import Transform, run_transforms
 from zephon.plan import Batch, Node, Refs, Source
 from zephon.sources.base import Columns, RecordSource
+from zephon.telemetry import column_bytes
 
 if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
     from zephon.runners.base import Runner
@@ -44,6 +47,14 @@ def leaf_sources(node: Node) -> list[Any]:
         return [node]
     kids = getattr(node, "children", None) or ((node.child,) if hasattr(node, "child") else ())
     return [s for c in kids for s in leaf_sources(c)]
+
+
+def plan_nodes(node: Any) -> Iterator[Any]:
+    """Every node of a plan, depth first."""
+    yield node
+    kids = getattr(node, "children", None) or ((node.child,) if hasattr(node, "child") else ())
+    for c in kids:
+        yield from plan_nodes(c)
 
 
 def read_refs(sources: Mapping[int, RecordSource], refs: Refs) -> Columns:
@@ -79,17 +90,19 @@ READ_AHEAD_ROWS = 16384
 READ_AHEAD_BYTES = 16 << 20
 
 
-def steps_refs(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: int = 1) -> Refs:
-    """The refs of steps start, start+stride, ... (`count` of them, rows owned by `lanes`).
+def steps_refs(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: int = 1,
+               epoch: int = 0) -> Refs:
+    """The refs of steps start, start+stride, ... (`count` of them, rows owned by `lanes`) in
+    pass `epoch` over the plan; with `remainder="pad"`, rows past a lane's end have source -1.
 
     Equal to concatenating `plan.refs(s, lanes)` over those steps, but resolved in one
     vectorised call, which is what makes small batches cheap.
     """
-    return steps_rows(plan, start, count, lanes, stride)[0]
+    return steps_rows(plan, start, count, lanes, stride, 0, epoch)[0]
 
 
-def steps_rows(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: int = 1, shift: int = 0
-               ) -> tuple[Refs, np.ndarray]:
+def steps_rows(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: int = 1, shift: int = 0,
+               epoch: int = 0) -> tuple[Refs, np.ndarray]:
     """`steps_refs` and how many rows each step has (a batch-size schedule changes them);
     `shift` moves every lane position (a run resumed at another batch size)."""
     n = plan.num_steps if not shift else _steps_with_shift(plan, shift)
@@ -101,12 +114,22 @@ def steps_rows(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: i
         raise PlanError(f"step {last} runs past the end of the plan ({n} global batches)")
     steps = start + stride * np.arange(count, dtype=np.int64)
     lane, index, rows = plan.sizes.rows(steps, np.asarray(lanes, np.int64), shift)
-    return plan.lanes.resolve_lanes(lane, index), rows
+    if plan.pad:
+        limit = plan.lanes.lane_limits(lane, 0, pad=True)
+        ok = index < limit if limit is not None else np.ones(len(index), bool)
+        if not ok.all():
+            refs = plan.lanes.resolve_lanes(lane[ok], index[ok], 0, epoch)
+            full = []
+            for v in (refs.source, refs.record, refs.epoch):
+                c = np.full(len(index), -1, np.int64)
+                c[ok] = v
+                full.append(c)
+            return Refs(full[0], full[1], full[2]), rows
+    return plan.lanes.resolve_lanes(lane, index, 0, epoch), rows
 
 
 def _steps_with_shift(plan: Batch, shift: int) -> int | None:
-    n = plan.lanes.lane_length()
-    return None if n is None else plan.sizes.steps_within(n - shift)
+    return plan.steps_over(shift)
 
 
 @dataclass(frozen=True)
@@ -121,6 +144,10 @@ class GroupResult:
     batches: list[tuple[Columns, Refs]]
     error: BaseException | None = None
     traceback: str = ""
+    #: telemetry (`zephon.telemetry`): seconds reading, seconds in transforms, bytes read
+    read_s: float = 0.0
+    ops_s: float = 0.0
+    nbytes: int = 0
 
     def raise_error(self) -> None:
         raise_captured(self.error, self.traceback)
@@ -153,6 +180,7 @@ class StepTask:
     transforms: tuple[Transform, ...]
     lanes: np.ndarray
     seed: int
+    epoch: int = 0
     shift: int = 0  # lane positions relative to the plan's (resumed at another batch size)
 
     @property
@@ -165,13 +193,18 @@ class StepTask:
         return result.batches[0]
 
     def run(self, start: int, count: int, stride: int = 1) -> GroupResult:
+        t0 = time.perf_counter()
         try:
-            refs, rows = steps_rows(self.plan, start, count, self.lanes, stride, self.shift)
+            refs, rows = steps_rows(self.plan, start, count, self.lanes, stride, self.shift, self.epoch)
+            valid = refs.source >= 0
+            if not valid.all():  # the padded end of a finite plan
+                return self._padded(start, rows, refs, valid)
             cols = read_refs(self.sources, refs)
         except Exception:
             if count == 1:
                 return _failed(start, [])
             return self._one_by_one(start, count, stride)  # error path: pin the failure on its step
+        t1 = time.perf_counter()
         ends = np.cumsum(rows)
         out: list[tuple[Columns, Refs]] = []
         for k in range(count):
@@ -184,7 +217,34 @@ class StepTask:
                 except Exception:
                     return _failed(start, out)
             out.append((part, step_refs))
+        t2 = time.perf_counter()
+        return GroupResult(start, out, read_s=t1 - t0, ops_s=t2 - t1, nbytes=column_bytes(cols))
+
+    def _padded(self, start: int, rows: np.ndarray, refs: Refs, valid: np.ndarray) -> GroupResult:
+        """Steps with padding rows: each step's valid rows read and transformed, then placed
+        among zero rows shaped like a real row (padding rows keep their refs at -1)."""
+        ends = np.cumsum(rows)
+        out: list[tuple[Columns, Refs]] = []
+        for k in range(len(rows)):
+            cut = slice(int(ends[k] - rows[k]), int(ends[k]))
+            step_refs, ok = refs.take(cut), valid[cut]
+            try:
+                real = step_refs.take(ok)
+                part = read_refs(self.sources, real) if len(real) else {}
+                if self.transforms and len(real):
+                    part, _ = run_transforms(self.transforms, part, real, self.seed)
+                out.append((scatter(part, ok, None if len(real) else self._schema()), step_refs))
+            except Exception:
+                return _failed(start, out)
         return GroupResult(start, out)
+
+    def _schema(self) -> Schema | None:
+        """What a row of this plan looks like: its first record, read and transformed."""
+        first = self.plan.lanes.resolve_lanes(np.zeros(1, np.int64), np.zeros(1, np.int64), 0, self.epoch)
+        cols = read_refs(self.sources, first)
+        if self.transforms:
+            cols, _ = run_transforms(self.transforms, cols, first, self.seed)
+        return schema_of(cols)
 
     def _one_by_one(self, start: int, count: int, stride: int) -> GroupResult:
         out: list[tuple[Columns, Refs]] = []
@@ -201,6 +261,10 @@ def _failed(start: int, done: list[tuple[Columns, Refs]]) -> GroupResult:
     return GroupResult(start, done, sys.exc_info()[1], traceback.format_exc())
 
 
+#: Telemetry's hook: a group (or window) result and the seconds the consumer waited for it.
+Sink = Callable[[Any, float], None]
+
+
 @dataclass(frozen=True)
 class GroupTask:
     """`(start, count, stride) -> GroupResult`: what a runner maps over (picklable, pure)."""
@@ -211,15 +275,19 @@ class GroupTask:
         return self.task.run(*item)
 
 
-def iterate_steps(task: StepTask, runner: Runner | None, start: int, read_ahead: int, stride: int = 1
-                  ) -> Iterator[tuple[Columns, Refs]]:
+def iterate_steps(task: StepTask, runner: Runner | None, start: int, read_ahead: int, stride: int = 1,
+                  sink: Sink | None = None) -> Iterator[tuple[Columns, Refs]]:
     """Owned rows of steps start, start+stride, ...: the first inline, the rest in group reads.
 
     The first step is computed in the caller's thread, so it comes back as fast as one step can,
     and its size bounds the group reads (`READ_AHEAD_BYTES`) before any is issued. A module-level
     generator (not a method) so that a dropped loader is freed at once, closing its runner.
+    `sink(result, seconds)` (telemetry) gets every group and how long the caller waited for it.
     """
+    t0 = time.perf_counter()
     first = task.run(start, 1)
+    if sink is not None:
+        sink(first, time.perf_counter() - t0)
     yield from first.batches
     first.raise_error()
     plan = task.plan
@@ -236,7 +304,13 @@ def iterate_steps(task: StepTask, runner: Runner | None, start: int, read_ahead:
     gtask = GroupTask(task)
     results = map(gtask, items) if runner is None else iter(runner.imap(gtask, items))
     try:
-        for result in results:
+        while True:
+            t0 = time.perf_counter()
+            result = next(results, None)
+            if result is None:
+                break
+            if sink is not None:
+                sink(result, time.perf_counter() - t0)
             yield from result.batches
             result.raise_error()
     finally:

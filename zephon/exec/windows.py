@@ -9,6 +9,7 @@ the first batch comes quickly and later reads are large; where windows fall chan
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from zephon.exec.steps import raise_captured, read_refs
 from zephon.ops.base import Transform, run_transforms, sub_index
 from zephon.plan import Lanes, Refs
 from zephon.sources.base import Columns, RecordSource
+from zephon.telemetry import column_bytes
 
 Provenance = tuple[int, int, int, int, int, int]  # (branch, input, output, source, record, epoch)
 
@@ -44,6 +46,10 @@ class Window:
     ended: np.ndarray
     error: BaseException | None = None
     traceback: str = ""
+    #: telemetry (`zephon.telemetry`): seconds reading, seconds in row operators, bytes read
+    read_s: float = 0.0
+    ops_s: float = 0.0
+    nbytes: int = 0
     #: per lane, the first row not yet taken: set by the engine when it takes the window up
     used: np.ndarray = field(init=False, repr=False, compare=False)
 
@@ -63,6 +69,9 @@ class WindowTask:
     starts: tuple[np.ndarray, ...]
     size: int
     first: int = 0
+    #: per branch, the inputs each owned lane has (None: infinite); see `Lanes.lane_limits`
+    limits: tuple[np.ndarray | None, ...] = ()
+    epoch: int = 0
 
     def span(self, w: int) -> tuple[int, int]:
         """(offset, length) of window w in every lane: lengths double from `first` up to
@@ -82,7 +91,7 @@ class WindowTask:
         offset, size = self.span(w)
         lo = self.starts[branch] + offset
         count = np.full(n, size, np.int64)
-        limit = self.lanes.branch_length(branch)
+        limit = self.limits[branch] if self.limits else self.lanes.branch_length(branch)
         if limit is not None:
             count = np.clip(limit - lo, 0, size)
         ended = count < size
@@ -90,18 +99,25 @@ class WindowTask:
         index = lo[lane_rank] + (np.arange(count.sum(), dtype=np.int64)
                                  - np.repeat(np.cumsum(count) - count, count))
         try:
-            refs = self.lanes.resolve_lanes(self.owned[lane_rank], index, branch)
+            refs = self.lanes.resolve_lanes(self.owned[lane_rank], index, branch, self.epoch)
+            t0 = t1 = time.perf_counter()
+            nbytes = 0
             if len(refs):
-                cols, src = run_transforms(self.rows, read_refs(self.sources, refs), refs, self.seed)
+                read = read_refs(self.sources, refs)
+                t1 = time.perf_counter()
+                nbytes = column_bytes(read)
+                cols, src = run_transforms(self.rows, read, refs, self.seed)
             else:  # past a finite lane's end: nothing to read or transform
                 cols, src = {}, np.zeros(0, np.int64)
+            t2 = time.perf_counter()
         except Exception as e:
             empty = np.zeros(0, np.int64)
             return Window(branch, w, {}, empty, empty, Refs(empty, empty, empty),
                           np.zeros(n + 1, np.int64), ended, e, traceback.format_exc())
         lane_out = lane_rank[src]
         bounds = np.searchsorted(lane_out, np.arange(n + 1), side="left").astype(np.int64)
-        return Window(branch, w, cols, index[src], sub_index(src), refs.take(src), bounds, ended)
+        return Window(branch, w, cols, index[src], sub_index(src), refs.take(src), bounds, ended,
+                      read_s=t1 - t0, ops_s=t2 - t1, nbytes=nbytes)
 
 
 def window_size(read_ahead: int, lanes: int, per_lane: int) -> int:
@@ -134,7 +150,6 @@ def concat_cols(parts: Sequence[Columns]) -> Columns:
     return out
 
 
-
 def rematerialize(task: WindowTask, states: Sequence[Any]
                   ) -> list[tuple[Columns, list[Provenance]]]:
     """Re-reads and re-processes the inputs each lane's accumulator holds (after a restore).
@@ -148,7 +163,7 @@ def rematerialize(task: WindowTask, states: Sequence[Any]
             continue
         lane = np.array([task.owned[k] for k, _, _ in want], np.int64)
         index = np.array([h[1] for _, _, h in want], np.int64)
-        refs = task.lanes.resolve_lanes(lane, index, b)
+        refs = task.lanes.resolve_lanes(lane, index, b, task.epoch)
         cols, src = run_transforms(task.rows, read_refs(task.sources, refs), refs, task.seed)
         sub = sub_index(src)
         for j, (k, _, h) in enumerate(want):

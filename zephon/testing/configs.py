@@ -174,6 +174,21 @@ def default_resume(steps: int, backends: Sequence[str] = BACKENDS) -> list[Confi
     return [Config.parse(t) for t in texts if steps > b]
 
 
+def end_resume(end: int, backends: Sequence[str] = BACKENDS) -> list[Config]:
+    """For a finite pipeline of `end` steps: stop two steps before its end, resume at another
+    degree (and emitter), run to the end."""
+    at = end - 2
+    if at < 1:
+        return []
+    bk = [x for x in ("numpy", "torch", "jax") if x in backends] or ["numpy"]
+    texts = [f"numpy D=2 @{at} -> numpy D=8"]
+    if "torch" in bk:
+        texts.append(f"torch D=4 @{at} -> numpy D=1")
+    if "jax" in bk:
+        texts.append(f"numpy D=8 @{at} -> jax mesh=2x4")
+    return [replace(Config.parse(t), note="near the end") for t in texts]
+
+
 def matrix(*, steps: int, backends: Sequence[str] = BACKENDS, degrees: Sequence[int] = (1, 2, 4, 8),
            runners: Sequence[str] = ("threads:2", "processes:2"), workers: Sequence[int] = (2,),
            micro: Sequence[int] = (2, 4), meshes: Sequence[tuple[int, ...]] = ((8,), (4, 2), (2, 4)),

@@ -15,7 +15,7 @@ import numpy as np
 from zephon.errors import PlanError
 from zephon.exec.loader import LocalBatch
 from zephon.report import Report, RunResult
-from zephon.testing.configs import REFERENCE, Config
+from zephon.testing.configs import BACKENDS, REFERENCE, Config, end_resume
 from zephon.testing.pipeline import Builder, Factory
 from zephon.testing.processes import _run_processes
 from zephon.testing.sessions import _NotApplicable, _session
@@ -173,10 +173,16 @@ def _reference(builder: Builder, steps: int) -> tuple[Run, dict[str, np.dtype]]:
 
 
 def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *,
-           progress: bool = False, name: str | None = None, timeout: float = 600.0) -> Report:
+           progress: bool = False, name: str | None = None, timeout: float = 600.0,
+           near_end: bool = True) -> Report:
     """Runs the reference (numpy, D=1) and every configuration for `steps` steps and reports how
     each compares. Never raises for a difference (see `Report.ok`); raises `FactoryError` /
-    `PlanError` when the pipeline itself cannot be built or run."""
+    `PlanError` when the pipeline itself cannot be built or run.
+
+    A finite pipeline that ends within `steps` is run to its end by every configuration: one
+    that ends at another step, or pads otherwise, differs. With `near_end`, such a pipeline is
+    also stopped two steps before its end and resumed at another degree and emitter
+    (`end_resume`)."""
     builder = factory if isinstance(factory, Builder) else Builder(factory)
     parsed = [Config.parse(c) if isinstance(c, str) else c for c in configs]
     t0 = time.perf_counter()
@@ -193,6 +199,10 @@ def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *
         if bar is not None:
             bar.update(steps)
         ref_fps = [record_fingerprint(r) for r in ref.records]
+        finite = len(ref.records) < steps  # the reference ended: every run must end there too
+        if finite and near_end:
+            parsed += end_resume(len(ref.records), [b for b in BACKENDS if any(
+                seg.backend == b for c in parsed for seg in c.segments)] or ["numpy"])
         batch_refs: dict[Config, Run] = {}  # numpy D=1 under each set of batch-size changes
         results = [RunResult(REFERENCE.name + " (reference)", "identical", len(ref.records), ref_fps,
                              [True] * len(ref.records), seconds=time.perf_counter() - t)]
@@ -213,12 +223,12 @@ def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *
                 if cfg.changes_batch:  # compared with numpy D=1 under the same changes, whose lanes
                     key = cfg.batch_reference()  # must continue the reference's rows
                     if key not in batch_refs:
-                        batch_refs[key] = run_config(builder, key, len(ref.records), ref_dtypes=dtypes,
-                                                     keep_batches=True)
+                        batch_refs[key] = run_config(builder, key, steps if finite else len(ref.records),
+                                                     ref_dtypes=dtypes, keep_batches=True)
                     base = batch_refs[key]
                     note = f"compared with {key.name}"
-                run = run_config(builder, cfg, len(ref.records), ref_dtypes=dtypes, keep_batches=True,
-                                 timeout=timeout, on_step=count)
+                run = run_config(builder, cfg, steps if finite else len(ref.records), ref_dtypes=dtypes,
+                                 keep_batches=True, timeout=timeout, on_step=count)
             except _NotApplicable as e:
                 results.append(RunResult(cfg.name, "n/a", note=str(e), seconds=time.perf_counter() - t))
             except (KeyboardInterrupt, SystemExit):
