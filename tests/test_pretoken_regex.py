@@ -83,6 +83,8 @@ def test_normal_forms_are_the_tokenizers(form):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(reason="U+07FD: Python's tables differ from tokenizers', so the cache normalizes "
+                   "no non-ASCII text", strict=True)
 @pytest.mark.parametrize("form", ["NFC", "NFKC"])
 def test_normal_forms_are_the_tokenizers_on_every_code_point(form):
     assert_normalizes_like_the_tokenizer(form, sample(fast=False))
@@ -116,8 +118,9 @@ def test_tiktoken_cl100k_ids_on_common_scripts():
 
 
 @pytest.mark.slow
-def test_tiktoken_cl100k_ids_on_every_code_point():
+def test_tiktoken_cl100k_ids_on_every_code_point(monkeypatch):
     """What `UNICODE_CHECKED` rests on for tiktoken."""
+    monkeypatch.setattr(pretokens, "WARMUP_PIECES", 1 << 60)  # these texts miss a lot: keep serving
     assert_tiktoken_ids_equal(tiktoken_cl100k(), sample(fast=False))
 
 

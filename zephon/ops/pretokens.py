@@ -11,7 +11,7 @@ call a window) and gathers the ids with numpy.
 
 Served: GPT-2's `ByteLevel(use_regex=True)`, `Sequence[Split(regex, "isolated"),
 ByteLevel(use_regex=False)]` (cl100k, o200k, Llama 3, Qwen2 in `tokenizers`), tiktoken encodings,
-each with an NFC or NFKC normalizer or none. It is exact, never approximate: `ineligible` names
+each with no normalizer, or NFC / NFKC for ASCII documents. It is exact, never approximate: `ineligible` names
 why a tokenizer is not served (another model or pre-tokenizer, BPE dropout, truncation or padding
 set on it, a regex construct not rewritten), and a document is served only when it can be split
 exactly: no added token's text inside, and only characters Python's Unicode tables vouch for
@@ -133,9 +133,9 @@ class PretokenCache:
         if added is not None and added.search(text):
             return None
         if self.form is not None and not text.isascii():
-            text = unicodedata.normalize(self.form, text)  # type: ignore[arg-type]
-            if added is not None and added.search(text):
-                return None
+            # ASCII is its own NFC/NFKC; elsewhere Python's tables and the tokenizer's differ
+            # (the sweep: U+07FD's combining class), so such text goes to the tokenizer
+            return None
         return self.splitter.split(text)
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
