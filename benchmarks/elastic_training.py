@@ -21,7 +21,7 @@ same global batch, once for every data-parallel degree D in {1, 2, 4, 8}, with t
                        rows `TorchLoader` would hand out as `torch.from_numpy` views).
 
 Data: real text that exists offline everywhere — the Python standard library's own source files —
-and generated English-like prose (`zephon.textdata.generate_corpus`), the prose cut to as many
+and generated English-like prose (`zephon.demo.textdata.generate_corpus`), the prose cut to as many
 tokens as the code so that every loader's mixture is 50/50 in tokens (Zephon mixes by tokens
 with weights 0.5/0.5; the baselines mix documents in proportion to their counts). A byte-level
 BPE (vocab 1024) is trained in-process on the training documents. Held-out documents of both
@@ -114,7 +114,7 @@ QUICK = Config(steps=12, eval_every=4, stop_step=8, d_model=32, layers=1, heads=
 # --- data ---------------------------------------------------------------------------------------
 def prepare(cfg: Config, workdir: Path) -> dict[str, Any]:
     """Corpora, tokenizer and eval rows, written to `workdir` for the worker processes."""
-    from zephon.textdata import EOS_ID, generate_corpus, python_stdlib_corpus, train_bpe
+    from zephon.demo.textdata import EOS_ID, generate_corpus, python_stdlib_corpus, train_bpe
 
     eligible = [t for t in python_stdlib_corpus() if 200 <= len(t) <= cfg.max_doc_chars]
     code_train = [t for i, t in enumerate(eligible) if i % cfg.code_every == 0]
@@ -217,7 +217,7 @@ def distributed_sampler_rank(d: dict[str, Any], cfg: Config, rank: int, world: i
     import torch
     from torch.utils.data import ConcatDataset, DataLoader, DistributedSampler, IterableDataset
 
-    from zephon.textdata import EOS_ID
+    from zephon.demo.textdata import EOS_ID
 
     docs = ConcatDataset([d["code"], d["prose"]])
     tok = d["tokenizer"]
@@ -244,7 +244,7 @@ def grain_rank(d: dict[str, Any], cfg: Config, rank: int, world: int) -> Iterato
     import grain
     from grain.experimental import ConcatThenSplitIterDataset
 
-    from zephon.textdata import EOS_ID
+    from zephon.demo.textdata import EOS_ID
 
     tok = d["tokenizer"]
     shard = grain.sharding.ShardOptions(shard_index=rank, shard_count=world, drop_remainder=True)
@@ -310,7 +310,7 @@ def zephon_rank(d: dict[str, Any], cfg: Config, rank: int, world: int) -> Zephon
     from zephon.ops.pack import Pack
     from zephon.ops.tokenize import Tokenize
     from zephon.sources.memory import ArraySource
-    from zephon.textdata import EOS_ID
+    from zephon.demo.textdata import EOS_ID
 
     def texts(xs: list[str]) -> ArraySource:
         a = np.empty(len(xs), object)

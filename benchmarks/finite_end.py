@@ -33,7 +33,7 @@ from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.sources.memory import ArraySource
 from zephon.testing.gather import ThreadGather
-from zephon.textdata import EOS_ID, generate_corpus, train_bpe
+from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe
 
 RESULTS = Path(__file__).resolve().parent / "results" / "finite_end.json"
 

@@ -94,7 +94,7 @@ if __name__ == "__main__":
     # copy of this module, whose TIMING the command line never set.
     sys.modules.setdefault("pack", sys.modules[__name__])
 
-from zephon.textdata import generate_corpus, train_bpe  # noqa: E402
+from zephon.demo.textdata import generate_corpus, train_bpe  # noqa: E402
 
 MODES = ("concat", "first_fit", "best_fit")
 SEQ_LENS = (512, 2048)

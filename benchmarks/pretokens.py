@@ -27,7 +27,7 @@ import numpy as np
 
 from zephon.ops import pretokens
 from zephon.ops.pretokens import PretokenCache
-from zephon.textdata import generate_corpus, train_bpe
+from zephon.demo.textdata import generate_corpus, train_bpe
 
 WINDOW = 256
 

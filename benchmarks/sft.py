@@ -4,7 +4,7 @@ Issue 24 asks for tokens/s of chat rendering + tokenizing + best-fit packing aga
 work in Grain, same data and tokenizer, one run; target Zephon >= 1.5x Grain's best, 0 tokens
 lost, padding <= Grain's.
 
-Data: `zephon.chatdata.generate_chats` conversations (system prompt sometimes, 1-3 exchanges,
+Data: `zephon.demo.chatdata.generate_chats` conversations (system prompt sometimes, 1-3 exchanges,
 answers from a few tokens to a few hundred), a byte-level BPE trained on them in-process, the
 template `<|role|>\\n{content}<|end|>\\n` with the assistant's turns trained. Both sides render
 with the same `ChatTemplate.render` (the same text pieces) and get the same token ids (Zephon's
@@ -54,12 +54,12 @@ import grain  # noqa: E402
 import numpy as np  # noqa: E402
 
 from zephon import Loader, Source  # noqa: E402
-from zephon.chatdata import chat_texts, generate_chats  # noqa: E402
+from zephon.demo.chatdata import chat_texts, generate_chats  # noqa: E402
 from zephon.columns import objects  # noqa: E402
 from zephon.ops.chat import Chat, ChatTemplate  # noqa: E402
 from zephon.ops.pack import Pack  # noqa: E402
 from zephon.sources.memory import ArraySource  # noqa: E402
-from zephon.textdata import train_bpe  # noqa: E402
+from zephon.demo.textdata import train_bpe  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SEQ_LEN, BATCH, BINS, LANES, ENCODE_BATCH = 1024, 32, 32, 8, 256

@@ -53,7 +53,7 @@ from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.runners import processes
 from zephon.sources import JsonlSource
-from zephon.textdata import EOS_ID, generate_corpus, train_bpe, write_jsonl
+from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe, write_jsonl
 from zephon.verify import first_mismatch, lane_digests, step_fingerprint
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,6 +1,6 @@
 """Tokenize + Pack(2048, "concat") on real text, against the tokenizers' own batched encode and Grain.
 
-Issue 25's table: real text every machine has (`zephon.realtext`: English = the standard
+Issue 25's table: real text every machine has (`zephon.demo.realtext`: English = the standard
 library's sources; non-English = the system's gettext translations and the stdlib's non-ASCII
 test data), three tokenizers, in one run:
 
@@ -61,10 +61,10 @@ sys.path.insert(0, str(HERE))
 
 import pack  # noqa: E402
 
-from zephon import realtext  # noqa: E402
+from zephon.demo import realtext  # noqa: E402
 from zephon.ops.pretoken_regex import REGEXES  # noqa: E402
 from zephon.ops.pretokens import PretokenCache  # noqa: E402
-from zephon.textdata import train_bpe  # noqa: E402
+from zephon.demo.textdata import train_bpe  # noqa: E402
 
 SEQ_LEN, BATCH = 2048, 32
 

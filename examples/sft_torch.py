@@ -2,7 +2,7 @@
 
     python examples/sft_torch.py --steps 40
 
-Everything is made in-process (no downloads): two chat data sets (`zephon.chatdata`) — short
+Everything is made in-process (no downloads): two chat data sets (`zephon.demo.chatdata`) — short
 answers (arithmetic, spelling) and long ones (counting) — and a byte-level BPE trained on them.
 The pipeline, in every lane:
 
@@ -30,12 +30,12 @@ import torch.nn.functional as F
 
 from zephon import Mix, Source
 from zephon.backends.torch import TorchLoader
-from zephon.chatdata import chat_texts, generate_chats
+from zephon.demo.chatdata import chat_texts, generate_chats
 from zephon.columns import objects
 from zephon.ops.chat import Chat, ChatTemplate
 from zephon.ops.pack import Pack
 from zephon.sources.memory import ArraySource
-from zephon.textdata import PAD_ID, train_bpe
+from zephon.demo.textdata import PAD_ID, train_bpe
 
 SEQ, LANES, BATCH = 128, 8, 16
 DOMAINS = (("short", ("add", "multiply", "spell")), ("long", ("count",)))

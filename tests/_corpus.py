@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from zephon.columns import objects  # noqa: F401 - the tests wrap documents with it
-from zephon.textdata import generate_corpus, train_bpe
+from zephon.demo.textdata import generate_corpus, train_bpe
 
 
 def corpora_fixture(prose: int, code: int, train: tuple[int, int], vocab_size: int) -> Any:

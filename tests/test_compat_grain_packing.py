@@ -19,7 +19,7 @@ from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.runners import threads
 from zephon.sources.memory import ArraySource
-from zephon.textdata import EOS_ID
+from zephon.demo.textdata import EOS_ID
 
 MODES = {"concat": zg.experimental.ConcatThenSplitIterDataset,
          "first_fit": zg.experimental.FirstFitPackIterDataset,

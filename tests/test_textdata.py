@@ -13,7 +13,7 @@ from _helpers import run_group
 
 pytest.importorskip("tokenizers")
 
-from zephon.corpus import _octave_table
+from zephon.demo.corpus import _octave_table
 from zephon.errors import DecodeError
 from zephon.sources import (
     ArrayRecordSource,
@@ -21,7 +21,7 @@ from zephon.sources import (
     RawBytes,
     write_array_record,
 )
-from zephon.textdata import (
+from zephon.demo.textdata import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -74,7 +74,7 @@ def test_corpus_is_pinned(style):
 
 
 def test_corpus_is_the_same_in_another_process():
-    code = ("import hashlib; from zephon.textdata import generate_corpus; "
+    code = ("import hashlib; from zephon.demo.textdata import generate_corpus; "
             "print(hashlib.sha256('\\0'.join(generate_corpus(300, seed=11)).encode()).hexdigest())")
     out = run_group([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                     env={**os.environ, "PYTHONHASHSEED": "123"}, timeout=120)
@@ -113,7 +113,7 @@ def test_length_distribution(style, prose, tokenizer):
 def test_train_bpe_is_deterministic_across_processes(prose):
     """Hash-map order differs between processes (random hash seeds), so this is the real test."""
     here = train_bpe(prose[:400], vocab_size=1024).to_str()
-    code = ("import hashlib; from zephon.textdata import generate_corpus, train_bpe; "
+    code = ("import hashlib; from zephon.demo.textdata import generate_corpus, train_bpe; "
             "t = train_bpe(generate_corpus(3000, seed=7)[:400], vocab_size=1024).to_str(); "
             "print(hashlib.sha256(t.encode()).hexdigest())")
     for threads in ("1", "2"):

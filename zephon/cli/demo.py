@@ -121,7 +121,7 @@ def lm_demo(tmp: str, steps: int) -> bool:
     from zephon.ops.tokenize import Tokenize
     from zephon.plan import Mix
     from zephon.sources import JsonlSource
-    from zephon.textdata import EOS_ID, generate_corpus, train_bpe, write_jsonl
+    from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe, write_jsonl
 
     prose, code = generate_corpus(400, seed=1), generate_corpus(300, seed=2, style="code")
     write_jsonl(Path(tmp) / "prose.jsonl", prose)

@@ -26,7 +26,7 @@ def _demo_dir() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix="building-", dir=root))
     try:
         make_dataset(tmp, 4096)
-        from zephon.textdata import generate_corpus, train_bpe, write_jsonl
+        from zephon.demo.textdata import generate_corpus, train_bpe, write_jsonl
 
         prose, code = generate_corpus(400, seed=1), generate_corpus(300, seed=2, style="code")
         write_jsonl(tmp / "prose.jsonl", prose)
@@ -72,7 +72,7 @@ def demo_lm() -> Any:
     from zephon.plan import Mix
     from zephon.sources import JsonlSource
     from zephon.testing import Pipeline
-    from zephon.textdata import EOS_ID
+    from zephon.demo.textdata import EOS_ID
 
     d = _demo_dir()
     srcs = [JsonlSource(str(d / "prose.jsonl")), JsonlSource(str(d / "code.jsonl"))]
@@ -91,7 +91,7 @@ def demo_eval() -> Any:
     from zephon.plan import Mix
     from zephon.sources import JsonlSource
     from zephon.testing import Pipeline
-    from zephon.textdata import EOS_ID
+    from zephon.demo.textdata import EOS_ID
 
     d = _demo_dir()
     srcs = [JsonlSource(str(d / "prose.jsonl")), JsonlSource(str(d / "code.jsonl"))]

@@ -177,7 +177,7 @@ def encoder(spec: Any) -> HFEncoder | TiktokenEncoder:
     if not os.path.exists(path):
         raise PlanError(f"no tokenizer file at {path}; pass the path of a tokenizer.json, a tokenizers.Tokenizer "
                         "or a tiktoken.Encoding (there is no model hub here: train one with "
-                        "zephon.textdata.train_bpe and save it).")
+                        "zephon.demo.textdata.train_bpe and save it).")
     if re.search(r"\.tiktoken$|\.bpe$", path):
         raise PlanError(f"{path} looks like a tiktoken BPE file, which has no regex: load it with "
                         "zephon.ops.encoders.load_tiktoken_file(path, pat_str=...) and pass the Encoding.")

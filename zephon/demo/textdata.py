@@ -3,7 +3,7 @@
 The machines this project runs on have no network and no model hub, yet tokenize/pack/mix need
 text with realistic statistics and a real tokenizer. This module makes both in-process:
 
-- `generate_corpus` (from `zephon.corpus`) writes English-like prose or Python-like code, the same
+- `generate_corpus` (from `zephon.demo.corpus`) writes English-like prose or Python-like code, the same
   on every machine; `python_stdlib_corpus` is real text no one here wrote.
 - `train_bpe` trains a byte-level BPE with Hugging Face `tokenizers` in a second or two.
 - `write_jsonl` / `write_text_array_record` put texts where `JsonlSource` / `ArrayRecordSource`
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .corpus import STYLES, generate_corpus, python_stdlib_corpus
-from .errors import DecodeError
+from zephon.errors import DecodeError
 
 if TYPE_CHECKING:  # tokenizers is the optional `lm` extra; import it only where it is used
     import tokenizers
@@ -116,7 +116,7 @@ def write_text_array_record(path: str | os.PathLike[str], texts: Iterable[str],
     names); it is accepted so the call mirrors `write_jsonl` and is ignored. Returns the record
     count.
     """
-    from .sources.array_record import write_array_record
+    from zephon.sources.array_record import write_array_record
 
     del field
     return write_array_record(path, (t.encode("utf-8") for t in texts))

@@ -4,7 +4,7 @@ Generated prose flatters a tokenizer cache (few distinct words, all ASCII). Real
 users tokenize, and the only real text a machine without network is sure to have is what its
 software ships:
 
-- English: the Python standard library's own sources (`zephon.corpus.python_stdlib_corpus`):
+- English: the Python standard library's own sources (`zephon.demo.corpus.python_stdlib_corpus`):
   code, docstrings and comments.
 - Non-English: the human translations the system ships as gettext catalogs
   (`/usr/share/locale/<lang>/LC_MESSAGES/*.mo`: every message of coreutils, apt, glib, …

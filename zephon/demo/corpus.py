@@ -7,7 +7,7 @@ longer than 2048 tokens), so packing, splitting and truncation all get exercised
 integer arithmetic on the raw output of a PCG64 bit generator keyed by `SeedSequence` — both are
 stable by numpy's policy — so the corpus is the same on every machine and numpy version, not just
 "same seed". `python_stdlib_corpus` is real text no one here wrote (the standard library's own
-sources). Numpy only; `zephon.textdata` re-exports both next to the tokenizer and the writers.
+sources). Numpy only; `zephon.demo.textdata` re-exports both next to the tokenizer and the writers.
 """
 
 from __future__ import annotations

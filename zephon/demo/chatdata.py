@@ -61,7 +61,7 @@ def generate_chats(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> lis
 
 
 def chat_texts(chats: list[dict[str, list[Message]]]) -> list[str]:
-    """Every message's text, e.g. to train a tokenizer on (`zephon.textdata.train_bpe`)."""
+    """Every message's text, e.g. to train a tokenizer on (`zephon.demo.textdata.train_bpe`)."""
     return [m["content"] for c in chats for m in c["messages"]]
 
 
