@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 
 import zephon as z
+from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe
 from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.sources.memory import ArraySource
-from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe
 
 LANES, B, B2, STEPS, REPEATS = 64, 256, 512, 40, 5
 

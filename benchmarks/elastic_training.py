@@ -307,10 +307,10 @@ class ZephonRank:
 
 def zephon_rank(d: dict[str, Any], cfg: Config, rank: int, world: int) -> ZephonRank:
     import zephon as z
+    from zephon.demo.textdata import EOS_ID
     from zephon.ops.pack import Pack
     from zephon.ops.tokenize import Tokenize
     from zephon.sources.memory import ArraySource
-    from zephon.demo.textdata import EOS_ID
 
     def texts(xs: list[str]) -> ArraySource:
         a = np.empty(len(xs), object)

@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 
 import zephon as z
+from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe
 from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.sources.memory import ArraySource
 from zephon.testing.gather import ThreadGather
-from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe
 
 RESULTS = Path(__file__).resolve().parent / "results" / "finite_end.json"
 

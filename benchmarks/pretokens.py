@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from zephon.demo.textdata import generate_corpus, train_bpe
 from zephon.ops import pretokens
 from zephon.ops.pretokens import PretokenCache
-from zephon.demo.textdata import generate_corpus, train_bpe
 
 WINDOW = 256
 

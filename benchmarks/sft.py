@@ -54,12 +54,12 @@ import grain  # noqa: E402
 import numpy as np  # noqa: E402
 
 from zephon import Loader, Source  # noqa: E402
-from zephon.demo.chatdata import chat_texts, generate_chats  # noqa: E402
 from zephon.columns import objects  # noqa: E402
+from zephon.demo.chatdata import chat_texts, generate_chats  # noqa: E402
+from zephon.demo.textdata import train_bpe  # noqa: E402
 from zephon.ops.chat import Chat, ChatTemplate  # noqa: E402
 from zephon.ops.pack import Pack  # noqa: E402
 from zephon.sources.memory import ArraySource  # noqa: E402
-from zephon.demo.textdata import train_bpe  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SEQ_LEN, BATCH, BINS, LANES, ENCODE_BATCH = 1024, 32, 32, 8, 256

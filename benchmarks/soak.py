@@ -49,11 +49,11 @@ from tqdm import tqdm
 
 import zephon
 from zephon import Loader, Mix, Source, WorkerError, load_state, merge_states, save_state
+from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe, write_jsonl
 from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.runners import processes
 from zephon.sources import JsonlSource
-from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe, write_jsonl
 from zephon.verify import first_mismatch, lane_digests, step_fingerprint
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -62,9 +62,9 @@ sys.path.insert(0, str(HERE))
 import pack  # noqa: E402
 
 from zephon.demo import realtext  # noqa: E402
+from zephon.demo.textdata import train_bpe  # noqa: E402
 from zephon.ops.pretoken_regex import REGEXES  # noqa: E402
 from zephon.ops.pretokens import PretokenCache  # noqa: E402
-from zephon.demo.textdata import train_bpe  # noqa: E402
 
 SEQ_LEN, BATCH = 2048, 32
 

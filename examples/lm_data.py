@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 
 import zephon as z
+from zephon.demo.textdata import EOS_ID, generate_corpus, python_stdlib_corpus, train_bpe, write_jsonl
 from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.sources import JsonlSource
-from zephon.demo.textdata import EOS_ID, generate_corpus, python_stdlib_corpus, train_bpe, write_jsonl
 
 
 def add_data_args(ap: argparse.ArgumentParser, batch_help: str) -> None:

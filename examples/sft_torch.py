@@ -30,12 +30,12 @@ import torch.nn.functional as F
 
 from zephon import Mix, Source
 from zephon.backends.torch import TorchLoader
-from zephon.demo.chatdata import chat_texts, generate_chats
 from zephon.columns import objects
+from zephon.demo.chatdata import chat_texts, generate_chats
+from zephon.demo.textdata import PAD_ID, train_bpe
 from zephon.ops.chat import Chat, ChatTemplate
 from zephon.ops.pack import Pack
 from zephon.sources.memory import ArraySource
-from zephon.demo.textdata import PAD_ID, train_bpe
 
 SEQ, LANES, BATCH = 128, 8, 16
 DOMAINS = (("short", ("add", "multiply", "spell")), ("long", ("count",)))

@@ -15,11 +15,11 @@ from _corpus import corpora_fixture, objects
 import zephon.compat.grain as zg
 from zephon import DecodeError, Loader, Mix, PlanError, Repeat, Source, StateError
 from zephon.compat.grain import GrainShuffle
+from zephon.demo.textdata import EOS_ID
 from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.runners import threads
 from zephon.sources.memory import ArraySource
-from zephon.demo.textdata import EOS_ID
 
 MODES = {"concat": zg.experimental.ConcatThenSplitIterDataset,
          "first_fit": zg.experimental.FirstFitPackIterDataset,

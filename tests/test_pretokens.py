@@ -15,6 +15,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
 from zephon import Loader, Source, realtext
+from zephon.demo.textdata import generate_corpus, train_bpe
 from zephon.ops import pretokens
 from zephon.ops.encoders import load_tiktoken_file
 from zephon.ops.pack import Pack
@@ -22,7 +23,6 @@ from zephon.ops.pretoken_regex import REGEXES
 from zephon.ops.pretokens import PretokenCache, ineligible
 from zephon.ops.tokenize import Tokenize
 from zephon.sources.memory import ArraySource
-from zephon.demo.textdata import generate_corpus, train_bpe
 
 TRICKY = ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "'LL", "  ", "   x", "\n\n", " \n ",
           "\t", "\r\n", "123", " 45", "a1b2", "!!", " ?", " .", "\x1c", "\x1f", "\x0b", "\x0c",

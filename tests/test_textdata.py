@@ -14,13 +14,6 @@ from _helpers import run_group
 pytest.importorskip("tokenizers")
 
 from zephon.demo.corpus import _octave_table
-from zephon.errors import DecodeError
-from zephon.sources import (
-    ArrayRecordSource,
-    JsonlSource,
-    RawBytes,
-    write_array_record,
-)
 from zephon.demo.textdata import (
     BOS_ID,
     EOS_ID,
@@ -32,6 +25,13 @@ from zephon.demo.textdata import (
     train_bpe,
     write_jsonl,
     write_text_array_record,
+)
+from zephon.errors import DecodeError
+from zephon.sources import (
+    ArrayRecordSource,
+    JsonlSource,
+    RawBytes,
+    write_array_record,
 )
 
 

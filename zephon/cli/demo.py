@@ -117,11 +117,11 @@ def lm_demo(tmp: str, steps: int) -> bool:
     """Two generated corpora (prose, code) as JSONL, a BPE trained here, mixed 70/30 by tokens
     inside every lane (30/70 from half-way: a curriculum), tokenized online and packed into rows
     of 256 tokens; and the pre-token cache's batches equal the tokenizer's own."""
+    from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe, write_jsonl
     from zephon.ops.pack import Pack
     from zephon.ops.tokenize import Tokenize
     from zephon.plan import Mix
     from zephon.sources import JsonlSource
-    from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe, write_jsonl
 
     prose, code = generate_corpus(400, seed=1), generate_corpus(300, seed=2, style="code")
     write_jsonl(Path(tmp) / "prose.jsonl", prose)

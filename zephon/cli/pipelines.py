@@ -67,12 +67,12 @@ def demo_filter() -> Any:
 def demo_lm() -> Any:
     """Two JSONL corpora mixed 0.7/0.3 by tokens in every lane, BPE-tokenized online, packed
     into rows of 256 tokens (concat-then-split): the LM pretraining pipeline."""
+    from zephon.demo.textdata import EOS_ID
     from zephon.ops.pack import Pack
     from zephon.ops.tokenize import Tokenize
     from zephon.plan import Mix
     from zephon.sources import JsonlSource
     from zephon.testing import Pipeline
-    from zephon.demo.textdata import EOS_ID
 
     d = _demo_dir()
     srcs = [JsonlSource(str(d / "prose.jsonl")), JsonlSource(str(d / "code.jsonl"))]
@@ -86,12 +86,12 @@ def demo_eval() -> Any:
     """An evaluation set: the two corpora once each (a finite mix by tokens that reads every
     document, `stop="all"`), tokenized and packed, the last steps padded (`remainder="pad"`):
     every token exactly once, the same end at every D."""
+    from zephon.demo.textdata import EOS_ID
     from zephon.ops.pack import Pack
     from zephon.ops.tokenize import Tokenize
     from zephon.plan import Mix
     from zephon.sources import JsonlSource
     from zephon.testing import Pipeline
-    from zephon.demo.textdata import EOS_ID
 
     d = _demo_dir()
     srcs = [JsonlSource(str(d / "prose.jsonl")), JsonlSource(str(d / "code.jsonl"))]

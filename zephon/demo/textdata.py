@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .corpus import STYLES, generate_corpus, python_stdlib_corpus
 from zephon.errors import DecodeError
+
+from .corpus import STYLES, generate_corpus, python_stdlib_corpus
 
 if TYPE_CHECKING:  # tokenizers is the optional `lm` extra; import it only where it is used
     import tokenizers
