@@ -25,11 +25,12 @@ from zephon.exec.end import AllGather, FiniteEnd
 from zephon.exec.lanes import LaneEngine
 from zephon.exec.padding import VALID, Schema
 from zephon.exec.pipeline import LanePipeline
-from zephon.exec.resize import batch_change, check_micro_schedule, lane_shift_of
+from zephon.exec.resize import check_micro_schedule
+from zephon.exec.resume import Resumable
 from zephon.exec.state import LaneState, check_state, merge_states
 from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps, leaf_sources, plan_nodes
-from zephon.ops.base import JSON, Operator, Transform, identity_diff, run_transforms
-from zephon.plan import Batch, Mix, Refs, plan_diff
+from zephon.ops.base import JSON, Operator, Transform, run_transforms
+from zephon.plan import Batch, Mix, Refs
 from zephon.sources.base import Columns, RecordSource
 from zephon.telemetry import StageSink, Stats, Telemetry
 from zephon.telemetry import make as telemetry_recorder
@@ -38,7 +39,7 @@ from zephon.telemetry import require as require_telemetry
 if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
     from zephon.runners.base import Runner
 
-class Loader(FiniteEnd):
+class Loader(FiniteEnd, Resumable):
     """Iterates global batches `start, start+1, ...` of a plan, materialising owned rows only.
 
     Args:
@@ -350,108 +351,6 @@ class Loader(FiniteEnd):
             raise StateError(f"seek() needs random access to steps, which {self._why()} prevents; "
                              "restore a saved state instead.")
         self._moved(self.plan.check_step(step), self.epoch)
-
-    def restore(self, state: Mapping[str, Any], *, allow_batch_change: bool = False) -> None:
-        """Continues from `state` (saved at any data-parallel degree of the same plan).
-
-        A state saved under another global batch size (or schedule) of the same plan is
-        refused, naming both, unless `allow_batch_change=True`: then every lane continues
-        exactly where it stopped — no record skipped or repeated — and the batches from the
-        saved step on are this plan's sizes (`zephon.batchsize`).
-        """
-        check_state(state)
-        mine = self.identity()
-        old = None
-        if state.get("plan_fingerprint") != mine["plan_fingerprint"]:
-            old = batch_change(state.get("plan"), self.plan, allow_batch_change)
-        if state.get("plan_fingerprint") != mine["plan_fingerprint"] and old is None:
-            diffs = plan_diff(state.get("plan"), self.plan.to_json())
-            raise StateError("this checkpoint was written by another plan (fingerprint "
-                             f"{state.get('plan_fingerprint')} != {mine['plan_fingerprint']}); "
-                             f"differences: {'; '.join(diffs[:5]) or 'unknown'}. Restore it with the "
-                             "plan that wrote it, or start this plan from step 0.")
-        if state.get("seed") != mine["seed"]:
-            raise StateError(f"this checkpoint's seed {state.get('seed')!r} differs from the "
-                             f"loader's {mine['seed']!r}; use the same seed to resume.")
-        saved = state.get("pipeline")
-        diffs = identity_diff(saved if isinstance(saved, list) else [], mine["pipeline"])
-        if diffs:
-            raise StateError("this checkpoint was written by a different pipeline: "
-                             f"{'; '.join(diffs[:5])}. Resume with the operators that wrote it (same "
-                             "name, version and config), or start from step 0.")
-        shift = None
-        if old is not None:  # the lanes stay where they are; this plan's steps start there
-            step = state["step"]
-            shift = old.lane_offset(step) + lane_shift_of(state) - self.plan.lane_offset(step)
-        if old is not None:
-            self._ends.clear()  # lanes went on under other batch sizes: their end is counted anew
-        self.seek_position(state, lane_shift=shift)
-
-    def seek_position(self, position: Mapping[str, Any], *, lane_shift: int | None = None) -> None:
-        """Continues from a `position()` (or state) of a loader of the same plan and pipeline
-        whose lanes include this one's, without the identity check of `restore` — for backends
-        that hand positions between their own workers in one job (pipelines with lambdas too).
-        `lane_shift` overrides the position's (a resume at another batch size)."""
-        step = position.get("step") if isinstance(position, Mapping) else None
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise StateError(f"the state's step {step!r} is not a non-negative integer")
-        epoch = position.get("epoch", 0)
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise StateError(f"the state's epoch {epoch!r} is not a non-negative integer")
-        if step > self.plan.max_step:
-            raise StateError(f"the state's step {step} is beyond the last step this plan addresses "
-                             f"({self.plan.max_step}, from 2**62 positions); the state was edited or "
-                             "is corrupt — restore an earlier checkpoint.")
-        lanes = position.get("lanes")
-        if not isinstance(lanes, Mapping):
-            raise StateError(f"the state's 'lanes' is {type(lanes).__name__}, expected an object "
-                             "{lane: state}")
-        count = self.plan.lanes.count
-        alien = [k for k in lanes if not (isinstance(k, str) and k.isascii() and k.isdigit() and int(k) < count)]
-        if alien:
-            raise StateError(f"the state's 'lanes' names lane(s) {alien[:8]} that this plan does not "
-                             f"have: it has {count} lanes, 0..{count - 1}; the state was edited or "
-                             "belongs to another plan.")
-        missing = [int(l) for l in self.owned if str(int(l)) not in lanes]
-        if missing:
-            has = sorted(int(k) for k in lanes)
-            held = f"lanes {has[0]}..{has[-1]}" if has == list(range(has[0], has[-1] + 1)) else f"lanes {has[:8]}"
-            raise StateError(f"the state lacks lanes {missing[:8]}{'...' if len(missing) > 8 else ''} "
-                             f"that this loader (rank {self.rank} of {self.world}) owns; it holds "
-                             f"{held if has else 'no lanes'} — another rank's (or worker's) state. "
-                             "Restore each rank's own state, or merge every rank's state with "
-                             "merge_states() and restore that at any data-parallel degree.")
-        shift = lane_shift_of(position) if lane_shift is None else int(lane_shift)
-        table = [self.plan.lanes.lane_limits(np.arange(count), b, self.plan.pad) for b in range(self.branches)]
-        if self.random_access and (n := self.plan.steps_over(shift)) is not None:
-            table = [np.full(count, self.plan.lane_offset(n) + shift)]  # the step's position, padding too
-
-        def parse(l: int) -> LaneState:
-            limits = [None if t is None else int(t[l]) for t in table]
-            return LaneState.from_json(lanes[str(l)], l, self.branches, self.token_mix, limits,
-                                       self.plan.lanes.max_index)
-
-        parsed = [parse(int(l)) for l in self.owned]
-        if self.plan.lane_offset(step) + shift < 0:
-            raise StateError(f"the state's lane_shift {shift} puts step {step} before the lanes' "
-                             "first input; the state was edited.")
-        if self.random_access:
-            at = self.plan.lane_offset(step) + shift
-            for l, st in zip(self.owned, parsed):
-                if st.cursor[0] != at or st.skip[0]:
-                    raise StateError(f"lane {int(l)} of the state is at input {st.cursor[0]}, but step "
-                                     f"{step} of this one-to-one pipeline puts every lane at "
-                                     f"{at}; the state was edited.")
-            if shift != self._shift:
-                self._shift = shift
-                self._task = dataclasses.replace(self._task, shift=shift)
-            self._moved(step, epoch)
-            return
-        self._moved(step, epoch)
-        self._shift = shift
-        self._lane_states = parsed
-        if len(lanes) == count and len(self.owned) < count:  # a merged state: where every lane is
-            self._everyone = (step, [parse(l) for l in range(count)])
 
 
 def _check_picklable(ops: Sequence[Any]) -> None:
