@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
-from zephon import Loader, Source, realtext
+from zephon import Loader, Source
+from zephon.demo import realtext
 from zephon.demo.textdata import generate_corpus, train_bpe
 from zephon.ops import pretokens
 from zephon.ops.encoders import load_tiktoken_file
