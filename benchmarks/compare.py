@@ -87,7 +87,8 @@ def grain_rank(root: Path, records: int, width: int, batch: int, r: int, d: int)
     sampler = grain.samplers.IndexSampler(records, shuffle=True, seed=SEED, num_epochs=None,
                                           shard_options=grain.sharding.ShardOptions(r, d, drop_remainder=True))
     loader = grain.DataLoader(data_source=source, sampler=sampler, worker_count=0,
-                              operations=[_GrainDecode(width), grain.transforms.Batch(batch // d, drop_remainder=True)])
+                              operations=[_grain_decode(width),
+                                          grain.transforms.Batch(batch // d, drop_remainder=True)])
     return iter(loader)
 
 
@@ -102,15 +103,15 @@ def grain_dataset_rank(root: Path, records: int, width: int, batch: int, r: int,
     return (ds[i] for i in range(len(ds)))
 
 
-class _GrainDecode:  # a grain.transforms.MapTransform, defined lazily so this module imports without Grain
-    def __new__(cls, width: int) -> Any:
-        import grain
+def _grain_decode(width: int) -> Any:
+    """A `grain.transforms.Map` decoding one record; built here so this module imports without Grain."""
+    import grain
 
-        class Decode(grain.transforms.Map):
-            def map(self, b: bytes) -> np.ndarray:
-                return np.frombuffer(b, dtype=np.int32, count=width)
+    class Decode(grain.transforms.Map):
+        def map(self, b: bytes) -> np.ndarray:
+            return np.frombuffer(b, dtype=np.int32, count=width)
 
-        return Decode()
+    return Decode()
 
 
 def torchdata_rank(root: Path, records: int, width: int, batch: int, r: int, d: int) -> Iterator[np.ndarray]:

@@ -12,6 +12,7 @@ parent's state with each buffered element, so `get_state()` is the consumer's po
 from __future__ import annotations
 
 import copy
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -90,11 +91,7 @@ class BatchStep(Step):
         self.size, self.drop, self.fn = batch_size, drop_remainder, batch_fn or make_batch
 
     def __next__(self) -> Any:
-        values = []
-        for e in self.parent:
-            values.append(e)
-            if len(values) == self.size:
-                break
+        values = list(itertools.islice(self.parent, self.size))
         if not values or (self.drop and len(values) < self.size):
             raise StopIteration
         return self.fn(values)
