@@ -98,7 +98,7 @@ def needed_bytes(kind: str, src, rows: np.ndarray) -> int:
             total += int((r.chunk_end[c] - r.chunk_begin[c]).sum())
         return total
     groups = np.unique(np.searchsorted(src._group_ends, rows, side="right"))
-    f = src._file(0)
+    f = src._opened(0)
     return int(sum(f.metadata.row_group(int(g)).column(f.schema_arrow.get_field_index("text")).total_compressed_size
                    for g in groups))
 
@@ -158,6 +158,47 @@ class ProxyProcess:
         self.proc.wait()
 
 
+def cpu_seconds(pid: int, group: bool = False) -> float:
+    """User + system CPU seconds of process `pid`, all its threads (`group`: of every process
+    in its process group: a server started in its own session)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry) == pid or (group and int(fields[2]) == pid):
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def request_rate(url: str, server_pid: int, proxy_pid: int | None, n: int = 3000) -> dict:
+    """Ranged GETs per second one process gets from a server (random 1000-byte ranges, no merging,
+    the policy's requests in flight), and the CPU each request costs in this process (obstore and
+    Zephon), in the server and in the proxy: where the time of a ranged read goes."""
+    blob = storage.open_blob(url)
+    offs = np.random.default_rng(3).integers(0, blob.size - 1000, n)
+    old = storage.policy()
+    storage.configure(overfetch=0.0, merge_gap=0)
+
+    def cpu() -> tuple[float, float, float]:
+        return (time.process_time(), cpu_seconds(server_pid, group=True),
+                cpu_seconds(proxy_pid) if proxy_pid else 0.0)
+
+    try:
+        c0, t0 = cpu(), time.perf_counter()
+        blob.read_ranges([(int(o), 1000) for o in offs])
+        wall, c1 = time.perf_counter() - t0, cpu()
+    finally:
+        storage.configure(overfetch=old.overfetch, merge_gap=old.merge_gap)
+    return {"requests_per_s": n / wall, **{f"cpu_us_per_request_{k}": (b - a) / n * 1e6
+                                           for k, a, b in zip(("client", "server", "proxy"), c0, c1)}}
+
+
 def point(proxies: dict, scheme: str, latency: float) -> None:
     """Points `scheme`'s client at the proxy with `latency` added per request."""
     env = "AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST"
@@ -192,6 +233,17 @@ def main() -> None:
         uploads = {scheme: upload(data, scheme, "d") for scheme in ("s3", "gs")}
         proxies = {(scheme, lat): ProxyProcess(srv.endpoint, lat, scheme == "gs")
                    for scheme, srv in (("s3", s3), ("gs", gs)) for lat in (0.0, 0.02)}
+        ceiling = []
+        for scheme, srv in (("s3", s3), ("gs", gs)):
+            for via in ("direct", "proxy 0 ms"):
+                proxy = proxies[(scheme, 0.0)] if via != "direct" else None
+                os.environ["AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST"] = \
+                    proxy.endpoint if proxy else srv.endpoint
+                storage.reset()
+                rate = request_rate(f"{scheme}://{BUCKET}/d/ar-00000-of-00004", srv.proc.pid,
+                                    proxy.proc.pid if proxy else None)
+                ceiling.append({"storage": scheme, "via": via, **rate})
+                print(json.dumps(ceiling[-1]), flush=True)
         rows = []
         for kind in [k for k in args.formats.split(",") if k]:
             for batch in (64, 1024):
@@ -233,7 +285,8 @@ def main() -> None:
         for p in proxies.values():
             p.close()
         result = {"load_avg_1m_before": load, "load_avg_1m_after": os.getloadavg()[0],
-                  "policy": storage.policy().__dict__, "upload_s": uploads, "rows": rows, "ttfb_1gib": ttfb,
+                  "policy": storage.policy().__dict__, "upload_s": uploads,
+                  "request_ceiling": ceiling, "rows": rows, "ttfb_1gib": ttfb,
                   "command": "flock /tmp/zephon-bench.lock .venv/bin/python benchmarks/storage.py"}
         Path(args.out + ".json").write_text(json.dumps(result, indent=1))
         plot(result, args.out + ".png")

@@ -33,6 +33,7 @@ from .parquet_remote import open_ranged_parquet
 from .paths import Paths, expand_paths
 
 log = logging.getLogger(__name__)
+REMOTE_READERS, REMOTE_AHEAD_BYTES = 16, 256 << 20  # objects: row-group reads in flight, their bytes
 
 
 class ParquetSource(FileHandles):
@@ -46,7 +47,8 @@ class ParquetSource(FileHandles):
     field, named "struct/field". All files must share one schema for the selected columns.
 
     `decode_threads` (default: up to 4, at most the CPUs available) decode the row groups of one
-    read in parallel; 1 decodes them in the calling thread.
+    read in parallel; 1 decodes them in the calling thread. Objects are read by up to 16 threads
+    (fewer if two row groups each would pass 256 MiB): more round trips in flight hide latency.
 
     Integrity: page checksums (CRC32, written by `write_parquet` and by any writer with
     `write_page_checksum=True`) are verified on every read, so a flipped bit in a data or
@@ -103,8 +105,12 @@ class ParquetSource(FileHandles):
             raise ValueError(f"ParquetSource: list_lengths names {unknown}, which are not among "
                              f"the selected columns {self.columns}")
         self._schema = schema
-        meta = [(fi, g, m.row_group(g).num_rows)
-                for fi, m in enumerate(self._meta) for g in range(m.num_row_groups)]
+        groups_meta = [(fi, g, m.row_group(g)) for fi, m in enumerate(self._meta) for g in range(m.num_row_groups)]
+        meta = [(fi, g, rg.num_rows) for fi, g, rg in groups_meta]
+        self._threads = self.decode_threads  # objects: reads wait on round trips, so more run at once
+        if self.decode_threads > 1 and any(b is not None for b in self._blobs):  # (2 groups a thread)
+            biggest = max(max((rg.total_byte_size for _, _, rg in groups_meta), default=1), 1)
+            self._threads = max(self.decode_threads, min(REMOTE_READERS, REMOTE_AHEAD_BYTES // (2 * biggest)))
         self._group_file = np.array([m[0] for m in meta], dtype=np.int64)
         self._group_local = np.array([m[1] for m in meta], dtype=np.int64)
         rows = np.array([m[2] for m in meta], dtype=np.int64)
@@ -158,7 +164,7 @@ class ParquetSource(FileHandles):
             return None
         with self._cache_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="zephon-parquet")
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="zephon-parquet")
             return self._pool
 
     def _opened(self, index: int) -> Any:
@@ -206,7 +212,7 @@ class ParquetSource(FileHandles):
         if pool is None:
             yield from map(self._row_group, groups)
             return
-        ahead = 2 * self.decode_threads
+        ahead = 2 * self._threads
         pending = deque(pool.submit(self._row_group, g) for g in groups[:ahead])
         rest = iter(groups[ahead:])
         try:
