@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceError
-from ..storage import Blob, is_remote
+from ..storage import Blob
 from .array_record_remote import pin, ranged_reader, read_records
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
-from .parallel import MAX_THREADS, map_files
+from .parallel import map_files
 from .paths import Paths, expand_paths, shard_name
 from .spec import RawBytes, RecordSpec
 
@@ -150,12 +150,10 @@ class ArrayRecordSource(FileHandles):
         # The only per-file work before the first read: each file's footer, for its count, on a
         # few threads; readers for reading open lazily, for the shards a read touches. Objects
         # are pinned here: every process this source is shipped to reads this version.
-        # (objects: a thread per file up to MAX_THREADS, as their opening is round trips)
-        threads = min(MAX_THREADS, len(self.paths)) if is_remote(self.paths[0]) else None
-        self._blobs = map_files(pin, self.paths, threads)
+        self._blobs = map_files(pin, self.paths)
         blobs = dict(zip(self.paths, self._blobs))
-        counts = np.array(map_files(lambda p: _count_records(p, reader_options, blobs[p]), self.paths,
-                                    threads), dtype=np.int64)
+        counts = np.array(map_files(lambda p: _count_records(p, reader_options, blobs[p]), self.paths),
+                          dtype=np.int64)
         self._ends = np.cumsum(counts)
         self._starts = self._ends - counts
         self._reset()

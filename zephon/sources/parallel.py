@@ -29,12 +29,10 @@ MIN_FILES_PER_THREAD = 32
 
 
 def map_files(fn: Callable[[str], T], paths: Sequence[str], threads: int | None = None) -> list[T]:
-    """`[fn(p) for p in paths]`, computed in contiguous chunks on up to `threads` threads (by
-    default a few, at least MIN_FILES_PER_THREAD files each; a caller whose work is round trips
-    to object storage asks for more)."""
+    """`[fn(p) for p in paths]`, computed in contiguous chunks on up to `threads` threads."""
     if threads is None:
-        threads = min(MAX_THREADS, 2 * (os.cpu_count() or 1), len(paths) // MIN_FILES_PER_THREAD)
-    threads = max(1, min(threads, len(paths)))
+        threads = min(MAX_THREADS, 2 * (os.cpu_count() or 1))
+    threads = max(1, min(threads, len(paths) // MIN_FILES_PER_THREAD))
     bounds = [len(paths) * k // threads for k in range(threads + 1)]
 
     def chunk(k: int) -> list[T]:
