@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from _corpus import corpora_fixture, objects
 from _helpers import deadline
 
 import zephon as z
@@ -20,6 +21,9 @@ from zephon.sources.memory import ArraySource
 def _time_limit():
     with deadline(60):
         yield
+
+
+corpora = corpora_fixture(prose=120, code=80, train=(60, 40), vocab_size=600)
 
 
 def _shuffled(lanes=8, batch=8):
@@ -96,6 +100,71 @@ def test_token_mix_counter_without_a_read_input_is_refused():
     state["lanes"]["0"]["mix"] = [5, 0]
     with pytest.raises(StateError, match="has not read an input"):
         Loader(plan, srcs).restore(state)
+
+
+def _mixed_packed(corpora, by="tokens", stop="first"):
+    """The soak's pipeline, small: prose and code mixed 0.7/0.3 in 4 lanes, per-source Tokenize
+    with EOS (every record counts at least one token), Pack(64)."""
+    from zephon.demo.textdata import EOS_ID
+    from zephon.ops.pack import Pack
+    from zephon.ops.tokenize import Tokenize
+
+    prose, code, tok = corpora
+    kids = [Source(len(prose), id=0).shuffle(1), Source(len(code), id=1).shuffle(2)]
+    if stop == "first":
+        kids = [k.repeat() for k in kids]
+    plan = Mix(kids, [0.7, 0.3], by=by, stop=stop).lanes(4).batch(8)
+    srcs = [ArraySource({"text": objects(prose)}), ArraySource({"body": objects(code)})]
+    kw = {"transforms": [Pack(64, "concat")],
+          "per_source": {0: [Tokenize(tok, eos=EOS_ID)], 1: [Tokenize(tok, field="body", eos=EOS_ID)]}}
+    return lambda rank=0, world=1: Loader(plan, srcs, rank=rank, world=world, **kw)
+
+
+def _advanced(make, steps):
+    l = make()
+    for _ in range(steps):
+        next(l)
+    return l.state()
+
+
+def test_token_mix_counters_that_cannot_agree_with_the_cursors_are_refused(corpora):
+    make = _mixed_packed(corpora)
+    state = _advanced(make, 6)
+    assert all(min(lane["cursor"]) > 0 for lane in state["lanes"].values())
+    state["lanes"]["1"]["mix"] = [0, 0]  # read inputs of both sources, counted no token
+    with pytest.raises(StateError, match=r"lane 1 .*counts 0 tokens of source branch 0 \('mix'\).*at least"):
+        make().restore(state)
+    state = _advanced(make, 6)
+    lane = state["lanes"]["2"]
+    lane["mix"] = [lane["mix"][0], lane["cursor"][1] - 1]  # fewer tokens than inputs read
+    with pytest.raises(StateError, match="branch 1"):
+        make().restore(state)
+    # read whole by samples, every record counts exactly one
+    make = _mixed_packed(corpora, by="samples", stop="all")
+    state = _advanced(make, 3)
+    assert [lane["mix"] for lane in state["lanes"].values()] == [lane["cursor"] for lane in state["lanes"].values()]
+    state["lanes"]["0"]["mix"][1] += 1
+    with pytest.raises(StateError, match="exactly"):
+        make().restore(state)
+
+
+@pytest.mark.parametrize("by,stop", [("tokens", "first"), ("samples", "all")])
+def test_genuine_mixed_packed_states_round_trip_at_every_degree(corpora, tmp_path, by, stop):
+    from zephon.verify import run_fingerprints
+
+    make = _mixed_packed(corpora, by, stop)
+    ref = run_fingerprints([make()], 14)
+    for step, saved_d, restored_d in ((1, 1, 4), (4, 2, 1), (9, 4, 2)):
+        ranks = [make(r, saved_d) for r in range(saved_d)]
+        for l in ranks:
+            for _ in range(step):
+                next(l)
+        path = tmp_path / f"{by}-{step}.json"
+        save_state(path, merge_states([l.state() for l in ranks]))
+        resumed = [make(r, restored_d) for r in range(restored_d)]
+        for l in resumed:
+            l.restore(load_state(path))
+        assert run_fingerprints(resumed, 14 - step) == ref[step:], (by, step, saved_d, restored_d)
 
 
 # --- 3. the step of a count-changing pipeline is bounded ---------------------------------------
@@ -560,3 +629,30 @@ def test_windows_pending_for_slow_lanes_leave_shared_memory(monkeypatch):
     got, most = run(0, processes(2, depth=2))  # every window that waits is copied out
     assert got == ref  # copies change no data
     assert most <= 6  # in flight (2) + windows being read; without the copies: 11 here
+
+
+def test_rows_kept_for_drifting_lanes_stay_bounded():
+    """The lanes of a token mix drift apart like a random walk (here by ~150 inputs in 2,400
+    steps). When every window read the same inputs of every lane, windows waited for the slowest
+    lane while the fastest made the engine fetch more: the rows kept grew with the drift (the
+    10-minute soak's consumer RSS rose ~1 MB/min). Each lane is now fed from its own frontier."""
+    from zephon.ops.pack import Pack
+    from zephon.verify import run_fingerprints
+
+    plan = Mix([Source(500, id=0).shuffle(1).repeat(), Source(500, id=1).shuffle(2).repeat()],
+               [0.5, 0.5], by="tokens").lanes(8).batch(8)
+    srcs = [_docs(500, 0, 1, 400), _docs(500, 1, 1, 40)]
+    l = Loader(plan, srcs, [Pack(64, "concat")], read_ahead=64)
+    got, kept, spread = [], [], 0
+    for _ in range(2400):
+        got.append(next(l))
+        eng = l._engine
+        kept.append(sum(int(w.bounds[-1]) for p in eng.pending for w in p))
+        cur = np.array([st.cursor for st in eng.states])
+        spread = max(spread, int((cur.max(0) - cur.min(0)).max()))
+    bound = 8 * 8 * eng.task.size  # a few windows' worth per lane, whatever the drift
+    assert spread > 2 * bound // 8  # the lanes drifted further than what a lane may keep
+    assert max(kept) <= bound, (max(kept), bound)  # lock-step windows: 1,344 by step 1,500
+    # which window reads which input changes no data: larger windows give the same stream
+    ref = Loader(plan, srcs, [Pack(64, "concat")], read_ahead=4096)
+    assert run_fingerprints([iter(got[:600])], 600) == run_fingerprints([ref], 600)

@@ -6,7 +6,9 @@ Every lane is an independent sequential stream. The engine splits the work on it
    w = 0, 1, ..., are resolved by the algebra, read with one vectorised read per source, and put
    through the row operators (decode, map, filter, tokenize...). Row operators carry nothing, so a
    window is a pure function of `(branch, w)`: any runner (threads, processes) computes windows
-   ahead, in any worker, and the result cannot depend on which.
+   ahead, in any worker, and the result cannot depend on which. (With a token mix or an
+   accumulator, lanes drift apart, so each window reads each lane from its own frontier instead:
+   `exec/feed.py`.)
 2. **Assembly (sequential, cheap).** In the consumer, each lane takes its next outputs from the
    windows in order: `B/L` rows a step, through the token-mix schedule (`exec/schedule.py`) and
    an accumulator (packing) if the pipeline has them. Only this part carries state, and the state is positions:
@@ -30,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zephon.errors import PlanError, StateError
+from zephon.exec.feed import LaneFeed
 from zephon.exec.padding import fill_blanks
 from zephon.exec.perlane import PerLaneAssembly
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.schedule import TokenSchedule
 from zephon.exec.state import LaneState, canonical
 from zephon.exec.steps import Sink
-from zephon.exec.windows import Provenance, Window, WindowTask, privatize, rematerialize, window_size
+from zephon.exec.windows import LaneItem, Provenance, Window, WindowTask, privatize, rematerialize, window_size
 from zephon.plan import Batch, Mix, Refs
 from zephon.sources.base import Columns, RecordSource
 
@@ -89,6 +92,10 @@ class LaneEngine(PerLaneAssembly):
         self.limits = tuple(lanes.lane_limits(owned, b, plan.pad) for b in range(self.nb))
         self.task = WindowTask(lanes, sources, pipeline.rows, owned, seed, starts, size, first,
                                self.limits, epoch)
+        #: the general path reads each lane from its own frontier (bounded memory under drift);
+        #: the simple path takes every lane's rows in lock-step, so its windows read all lanes
+        self.feed = (LaneFeed(starts, self.limits, first, size)
+                     if self.schedule is not None or pipeline.acc is not None else None)
         self.pending: list[deque[Window]] = [deque() for _ in range(self.nb)]
         self._copied: set[tuple[int, int]] = set()  # pending windows already out of shared memory
         self.issued = [0] * self.nb
@@ -126,15 +133,21 @@ class LaneEngine(PerLaneAssembly):
         return self._states
 
     # --- windows ------------------------------------------------------------------------------
-    def _items(self) -> Iterator[tuple[int, int]]:
+    def _items(self) -> Iterator[tuple[int, int] | LaneItem]:
         while True:
             if self.nb == 1:
                 b = 0
             else:  # the branch whose look-ahead is smallest relative to what it is used at
                 b = min(range(self.nb), key=lambda i: (self.issued[i] - self.want[i], i))
-            item = (b, self.issued[b])
-            self.issued[b] += 1
-            yield item
+            yield self._item(b)
+
+    def _item(self, b: int) -> tuple[int, int] | LaneItem:
+        w = self.issued[b]
+        self.issued[b] += 1
+        if self.feed is None:
+            return b, w
+        unused = sum((win.bounds[1:] - win.used for win in self.pending[b]), np.zeros(len(self.owned), np.int64))
+        return self.feed.item(b, w, unused)
 
     def _pull(self, branch: int) -> None:
         """Receives windows until one of `branch` arrives (others are kept for later)."""
@@ -143,8 +156,7 @@ class LaneEngine(PerLaneAssembly):
             # start: the first batch comes as fast as one window can be read
             for b in range(self.nb):
                 t0 = time.perf_counter()
-                self._receive(self.task((b, 0)), t0)
-                self.issued[b] = 1
+                self._receive(self.task(self._item(b)), t0)
             items = self._items()
             self._results = (map(self.task, items) if self._runner is None
                              else iter(self._runner.imap(self.task, items)))
@@ -162,6 +174,8 @@ class LaneEngine(PerLaneAssembly):
             self.sink(win, time.perf_counter() - t0)
         win.used = win.bounds[:-1].copy()
         self.pending[win.branch].append(win)
+        if self.feed is not None:
+            self.feed.received(win)
 
     def _peek(self, b: int, k: int, count: int) -> list[tuple[Window, int]]:
         """The next `count` unused rows of branch b for lane k (fewer if the lane ended)."""
@@ -171,6 +185,8 @@ class LaneEngine(PerLaneAssembly):
             if wi == len(self.pending[b]):
                 if self._ended[b][k]:
                     break
+                if self.feed is not None:
+                    self.feed.ask(b, k)
                 self._pull(b)
             win = self.pending[b][wi]
             win.raise_error()

@@ -15,11 +15,13 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import StateError
+from zephon.exec.pipeline import LanePipeline
 from zephon.exec.resize import batch_change, lane_shift_of
+from zephon.exec.schedule import check_counters
 from zephon.exec.state import LaneState, check_state
 from zephon.exec.steps import StepTask
 from zephon.ops.base import identity_diff
-from zephon.plan import Batch, plan_diff
+from zephon.plan import Batch, Mix, plan_diff
 
 
 class Resumable:
@@ -31,6 +33,7 @@ class Resumable:
     world: int
     branches: int
     token_mix: bool
+    pipeline: LanePipeline
     random_access: bool
     _ends: dict[int, int | None]
     _shift: int
@@ -125,6 +128,9 @@ class Resumable:
                                        self.plan.lanes.max_index)
 
         parsed = [parse(int(l)) for l in self.owned]
+        mix = self.plan.lanes.child
+        if self.token_mix and isinstance(mix, Mix):
+            check_counters(mix, self.pipeline, step, zip((int(l) for l in self.owned), parsed))
         if self.plan.lane_offset(step) + shift < 0:
             raise StateError(f"the state's lane_shift {shift} puts step {step} before the lanes' "
                              "first input; the state was edited.")

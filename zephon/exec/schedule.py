@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 
-from zephon.errors import PlanError
+from zephon.errors import PlanError, StateError
+from zephon.exec.pipeline import LanePipeline
+from zephon.exec.state import LaneState
 from zephon.exec.windows import Window
-from zephon.plan import Mix
+from zephon.ops.base import Transform
+from zephon.ops.mix import PerSource
+from zephon.plan import Mix, Node, Source
 from zephon.sources.base import Columns
 
 #: `(branch, count) -> the lane's next `count` unused rows of that branch (fewer if it ended)`
@@ -114,3 +118,72 @@ def _scales(weights: Sequence[float]) -> tuple[int | None, ...]:
     ints = [int(f * den) for f in exact]
     top = math.lcm(*(i for i in ints if i > 0))
     return tuple(top // i if i > 0 else None for i in ints)
+
+
+def _source_ids(node: Node) -> set[int]:
+    """The `Source` ids under a plan node."""
+    if isinstance(node, Source):
+        return {node.id}
+    out: set[int] = set()
+    for v in vars(node).values():  # a node's fields: its child or children among them
+        for c in v if isinstance(v, tuple) else (v,):
+            if isinstance(c, Node):
+                out |= _source_ids(c)
+    return out
+
+
+def _chain(pipeline: LanePipeline, sid: int) -> list[Transform]:
+    """The row operators the records of source `sid` go through, in order."""
+    out: list[Transform] = []
+    for t in pipeline.rows:
+        out += list(t.chains.get(sid, ())) if isinstance(t, PerSource) else [t]
+    return out
+
+
+def _counts_each(mix: Mix, chain: Sequence[Transform]) -> int | None:
+    """What one record of this chain counts at least (1 or 0), or None when nothing is known."""
+    if not mix.by_tokens:
+        return 1  # read whole by samples: every record counts one
+    if mix.by != "tokens" or not chain:
+        return None  # trained tokens: a record may train on none of its tokens
+    from zephon.ops.tokenize import Tokenize  # here: the core loads it only for a token mix
+
+    last = chain[-1]  # the operator that wrote the counted column last
+    if isinstance(last, Tokenize) and last.output == mix.count_field:
+        return 1 if (last.bos is not None or last.eos is not None) else 0
+    return None
+
+
+def check_counters(mix: Mix, pipeline: LanePipeline, step: int, lanes: Iterable[tuple[int, LaneState]]) -> None:
+    """Refuses lanes whose mix counters cannot agree with their cursors.
+
+    A lane's counter of branch b sums what each record it consumed from b counted since the
+    last weight change; its cursor says how many inputs of b it consumed since step 0. When no
+    weight change lies before `step` and every input of b gives exactly one record (one-to-one
+    row operators), a record counting at least one (by samples: exactly one; by tokens: a
+    `Tokenize` that adds BOS/EOS writes the counted column last) bounds the counter from below
+    by the inputs consumed — and by samples it must equal them. Where a bound is not known
+    (filters, split documents, trained tokens, a weight change) nothing is refused.
+    """
+    if any(s < step for s, _ in mix.schedule):  # the counters restarted at a weight change
+        return
+    floors: list[tuple[int, bool] | None] = []  # per branch: (per-input floor, exact)
+    for child in mix.children:
+        chains = [_chain(pipeline, sid) for sid in sorted(_source_ids(child))]
+        each = {_counts_each(mix, c) for c in chains}
+        one_to_one = all(t.one_to_one for c in chains for t in c)
+        floors.append((1, not mix.by_tokens) if one_to_one and each == {1} else None)
+    for lane, st in lanes:
+        for b, (m, floor) in enumerate(zip(st.mix, floors)):
+            if floor is None:
+                continue
+            consumed = st.cursor[b] + (st.skip[b] > 0)  # a partly used input was consumed
+            what = "records" if not mix.by_tokens else "tokens"
+            if m < consumed or (floor[1] and m != consumed):
+                need = (f"exactly {consumed}: a mix by samples counts one per record" if floor[1] else
+                        f"at least {consumed}: every record of it counts at least one token "
+                        "(its Tokenize adds BOS/EOS)")
+                raise StateError(f"lane {lane} of the state counts {m} {what} of source branch {b} "
+                                 f"('mix') after consuming {consumed} of its inputs ('cursor'); the "
+                                 f"counter must be {need}. The state was edited or its counters come "
+                                 "from another run: restore the checkpoint as save_state wrote it.")

@@ -26,6 +26,8 @@ from zephon.sources.base import Columns, RecordSource
 from zephon.telemetry import column_bytes
 
 Provenance = tuple[int, int, int, int, int, int]  # (branch, input, output, source, record, epoch)
+#: `(branch, w, lo, count)`: window w of a branch reads `count[k]` inputs from `lo[k]` of lane k
+LaneItem = tuple[int, int, np.ndarray, np.ndarray]
 
 
 @dataclass
@@ -59,7 +61,9 @@ class Window:
 
 @dataclass(frozen=True)
 class WindowTask:
-    """`(branch, w) -> Window`: pure and picklable; what a runner maps over."""
+    """`item -> Window`: pure and picklable; what a runner maps over. An item is `(branch, w)`
+    (the same inputs of every lane, the simple path) or a `LaneItem` naming each lane's inputs
+    (the general path, `zephon.exec.feed`)."""
 
     lanes: Lanes
     sources: Mapping[int, RecordSource]
@@ -85,16 +89,22 @@ class WindowTask:
         ramp = first * ((1 << k) - 1)
         return ramp + (w - k) * self.size, self.size
 
-    def __call__(self, item: tuple[int, int]) -> Window:
-        branch, w = item
+    def __call__(self, item: tuple[int, int] | LaneItem) -> Window:
+        """Window `item`: `(branch, w)` reads the same inputs of every lane (`span(w)`); a
+        `LaneItem` `(branch, w, lo, count)` reads `count[k]` inputs from `lo[k]` of lane k."""
         n = len(self.owned)
-        offset, size = self.span(w)
-        lo = self.starts[branch] + offset
-        count = np.full(n, size, np.int64)
+        if len(item) == 2:
+            branch, w = item
+            offset, size = self.span(w)
+            lo = self.starts[branch] + offset
+            want = np.full(n, size, np.int64)
+        else:
+            branch, w, lo, want = item
+        count = want
         limit = self.limits[branch] if self.limits else self.lanes.branch_length(branch)
         if limit is not None:
-            count = np.clip(limit - lo, 0, size)
-        ended = count < size
+            count = np.clip(limit - lo, 0, want)
+        ended = count < want
         lane_rank = np.repeat(np.arange(n, dtype=np.int64), count)
         index = lo[lane_rank] + (np.arange(count.sum(), dtype=np.int64)
                                  - np.repeat(np.cumsum(count) - count, count))
