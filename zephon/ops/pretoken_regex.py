@@ -31,7 +31,7 @@ import functools
 import re
 import sys
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Literal
 
@@ -138,7 +138,7 @@ class _Parser:
         self.p, self.i, self.dialect, self.limit = pattern, 0, dialect, limit
         self.vouched = _vouched(limit)
 
-    def _set(self, cps: Sequence[int]) -> Mask:
+    def _set(self, cps: Iterable[int]) -> Mask:
         out = np.zeros(self.limit, bool)
         out[[c for c in cps if c < self.limit]] = True
         return out

@@ -97,7 +97,7 @@ def _main_not_imported() -> Iterator[None]:
         return data
 
     with _PREPARE_LOCK:
-        spawn.get_preparation_data = prepare  # type: ignore[assignment]
+        spawn.get_preparation_data = prepare
         try:
             yield
         finally:
