@@ -412,3 +412,12 @@ def test_workers_import_the_main_script_only_for_functions_defined_there(tmp_pat
             proc.wait()
     assert proc.returncode == 0, err
     assert out.split() == ["1", "3"]  # the script itself; then it and the two restarted workers
+
+
+def test_the_modules_a_function_pickle_names_are_known_before_workers_start():
+    """What the forkserver preloads (and whether the workers need the main script)."""
+    from zephon.runners.processes import _dumps
+
+    blob, modules = _dumps(Map(double))
+    assert {"zephon.ops.map", __name__} <= modules and "__main__" not in modules
+    assert __import__("pickle").loads(blob).fn is double
