@@ -62,6 +62,19 @@ def slopes(t: np.ndarray, rows: list[dict[str, float]], start: float) -> dict[st
     return out
 
 
+def verdict(t: np.ndarray, rows: list[dict[str, float]], warmup: float, tolerance: float
+            ) -> tuple[dict[str, dict[str, float]], dict[str, bool]]:
+    """The fit after the warm-up (`warmup`: fraction of the run) and, per series, whether it is
+    flat: the rise the fitted line predicts over the measured span is at most 2 (descriptors,
+    mappings) or `tolerance` of the series' first level after warm-up (RSS)."""
+    fit = slopes(t, rows, warmup * float(t[-1]))
+    flat = {}
+    for k, f in fit.items():
+        allowed = 2.0 if k in COUNTS else tolerance * max(f["first"], 1.0)
+        flat[k] = f["rise_over_span"] <= allowed
+    return fit, flat
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of loading (default 600)")
@@ -98,11 +111,7 @@ def main() -> int:
             loader.close()
         after = sample(me, [])
     t = np.array(times)
-    fit = slopes(t, rows, args.warmup * float(t[-1]))
-    flat = {}
-    for k, f in fit.items():
-        allowed = 2.0 if k in COUNTS else args.tolerance * max(f["first"], 1.0)
-        flat[k] = f["rise_over_span"] <= allowed
+    fit, flat = verdict(t, rows, args.warmup, args.tolerance)
     report = {"duration_s": round(float(t[-1]), 1), "steps": steps[0], "warmup_s": round(args.warmup * float(t[-1]), 1),
               "load_avg": os.getloadavg(), "cpus": os.cpu_count(), "after_close": after,
               "fit_after_warmup": fit, "flat": flat, "ok": all(flat.values()),
