@@ -14,8 +14,8 @@ soak_steady = pytest.importorskip("soak_steady")
 
 def _rows(t, rss, fds=None):
     fds = np.full(len(t), 40.0) if fds is None else fds
-    return [{"fds": f, "memfds": f - 20, "memfd_maps": 10.0, "rss_mb": r, "workers_rss_mb": 130.0}
-            for f, r in zip(fds, rss)]
+    return [{"fds": f, "memfds": f - 20, "memfd_maps": 10.0, "rss_mb": r, "workers_rss_mb": 130.0,
+             "anon_mb": r - 20, "workers_anon_mb": 110.0} for f, r in zip(fds, rss)]
 
 
 def test_flat_series_with_a_warm_up_ramp_and_noise_pass():
@@ -31,6 +31,6 @@ def test_a_leak_after_warm_up_fails():
     rss = 160 + 2.0 * t / 60  # 2 MB a minute
     fds = 40 + np.floor(t / 120)  # one descriptor every two minutes
     fit, flat = soak_steady.verdict(t, _rows(t, rss, fds), 0.25, 0.05)
-    assert not flat["rss_mb"] and not flat["fds"] and not flat["memfds"]
-    assert flat["memfd_maps"] and flat["workers_rss_mb"]
+    assert not flat["rss_mb"] and not flat["anon_mb"] and not flat["fds"] and not flat["memfds"]
+    assert flat["memfd_maps"] and flat["workers_rss_mb"] and flat["workers_anon_mb"]
     assert fit["rss_mb"]["slope_per_min"] == pytest.approx(2.0)
