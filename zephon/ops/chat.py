@@ -2,9 +2,11 @@
 and the mask of the tokens to train on (the assistant's answers by default).
 
 A `ChatTemplate` renders a conversation into text pieces, each trained or not; `Chat` tokenizes
-the pieces of a whole read window in one batched call (the same encoder as `Tokenize`, with its
-exact pre-token cache) and concatenates them per conversation, so every token's mask comes from
-the piece it belongs to — exact by construction, no character offsets needed. Adjacent pieces
+the pieces of a whole read window together (the same encoder as `Tokenize`; with its exact
+pre-token cache, one regex pass over the window's pieces joined, kept where it provably equals
+each piece's own split: `zephon.ops.pretoken_join`) and concatenates them per conversation, so
+every token's mask comes from the piece it belongs to — exact by construction, no character
+offsets needed. Adjacent pieces
 with the same mask are joined before tokenizing, so the only token boundaries a template adds are
 where training starts or stops (as nanochat and most SFT trainers tokenize prompt and answer).
 
@@ -35,7 +37,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
-from itertools import pairwise
 from typing import Any, Literal
 
 import numpy as np
@@ -43,6 +44,7 @@ import numpy as np
 from zephon.columns import objects
 from zephon.errors import DecodeError, PlanError
 from zephon.ops.base import Transform
+from zephon.ops.pretoken_join import encode_joined
 from zephon.ops.tokenize import Tokenize
 from zephon.plan import Refs
 from zephon.sources.base import Columns
@@ -96,6 +98,7 @@ class ChatTemplate:
         if self.source is None and (not isinstance(self.turn, str) or self.turn.count("{content}") != 1):
             raise PlanError(f"ChatTemplate.turn must contain '{{content}}' exactly once, got {self.turn!r}")
         object.__setattr__(self, "_compiled", None)
+        object.__setattr__(self, "_parts", {})
 
     @staticmethod
     def jinja(source: str, *, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
@@ -135,7 +138,7 @@ class ChatTemplate:
                 "bos_token": self.bos_token, "eos_token": self.eos_token}
 
     def __getstate__(self) -> dict[str, Any]:  # the compiled jinja template stays in its process
-        return {**self.__dict__, "_compiled": None}
+        return {**self.__dict__, "_compiled": None, "_parts": {}}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
@@ -144,15 +147,30 @@ class ChatTemplate:
         """The conversation as (text, trained) pieces, adjacent ones with the same flag joined."""
         if self.source is not None:
             return _joined(self._jinja(messages))
-        texts: list[str] = [self.start]
-        flags = [False]
-        head, tail = self.turn.split("{content}")
+        out: list[Piece] = []
+        run, flag = [self.start], False  # the current run of text with one flag
+        parts = self._parts  # type: ignore[attr-defined]
         for m in messages:
             role = m["role"]
+            head, tail = parts.get(role) or self._role(role)
             on = role in train
-            texts += (head.replace("{role}", role), m["content"], tail.replace("{role}", role))
-            flags += (False, on, on)
-        return _joined(zip(texts, flags))
+            if head and flag:  # the header is never trained
+                out.append(("".join(run), True))
+                run, flag = [], False
+            run.append(head)
+            if on != flag and (m["content"] or tail):
+                out.append(("".join(run), flag))
+                run, flag = [], on
+            run += (m["content"], tail)
+        out.append(("".join(run), flag))
+        return [p for p in out if p[0]]
+
+    def _role(self, role: str) -> tuple[str, str]:
+        """(header, tail) of a message of `role`: `turn` around `{content}`, the role filled in."""
+        head, tail = self.turn.split("{content}")
+        parts = (head.replace("{role}", role), tail.replace("{role}", role))
+        self._parts[role] = parts  # type: ignore[attr-defined]
+        return parts
 
     def _jinja(self, messages: Sequence[Mapping[str, str]]) -> list[Piece]:
         if self._compiled is None:  # type: ignore[attr-defined]
@@ -291,6 +309,17 @@ class Chat(Transform):
                 raise bad("holds the private-use characters U+E000/U+E001 that mark trained text")
         return list(conv)
 
+    def _encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, lengths): every piece's ids, concatenated, and each piece's count of ids; each
+        piece encoded on its own (one regex pass over the window where the pre-token cache serves
+        the tokenizer: `zephon.ops.pretoken_join`)."""
+        cache = self._tok._pretokens()  # type: ignore[attr-defined]
+        if cache is not None:
+            return encode_joined(cache, texts)
+        ids = self._tok.encode(texts) if texts else []  # type: ignore[attr-defined]
+        lens = np.fromiter((len(x) for x in ids), np.int64, len(ids))
+        return (np.concatenate(ids).astype(np.int32, copy=False) if ids else np.zeros(0, np.int32)), lens
+
     def apply(self, cols: Columns, refs: Refs, seed: int) -> tuple[Columns, np.ndarray | None]:
         if self.field not in cols:
             raise PlanError(f"Chat reads conversations from column {self.field!r}, but the rows have "
@@ -299,23 +328,26 @@ class Chat(Transform):
         texts: list[str] = []
         flags: list[bool] = []
         per: list[int] = []
+        render = self.template.render
         for i, conv in enumerate(cols[self.field]):
-            pieces = self.template.render(self._messages(conv, refs, i), train)
+            pieces = render(self._messages(conv, refs, i), train)
             texts += [t for t, _ in pieces]
             flags += [on for _, on in pieces]
             per.append(len(pieces))
-        ids = self._tok.encode(texts) if texts else []  # type: ignore[attr-defined]
-        lens = np.fromiter((len(x) for x in ids), np.int64, len(ids))
-        flat = np.concatenate(ids).astype(np.int32, copy=False) if ids else np.zeros(0, np.int32)
+        flat, lens = self._encode(texts)
         flat_mask = np.repeat(np.asarray(flags, np.uint8), lens)
-        # token offsets where each conversation starts and ends (no pieces: where the last ended)
-        ends = np.concatenate([[0], np.cumsum(lens)])[np.cumsum([0] + per, dtype=np.int64)].tolist()
-        toks = [flat[a:b] for a, b in pairwise(ends)]
-        masks = [flat_mask[a:b] for a, b in pairwise(ends)]
+        # token offsets where each conversation ends (no pieces: where the last one ended)
+        ends = np.concatenate([[0], np.cumsum(lens)])[np.cumsum(per, dtype=np.int64)]
+        toks = np.split(flat, ends[:-1]) if per else []
+        masks = np.split(flat_mask, ends[:-1]) if per else []
         if self.bos is not None:
             toks = [np.concatenate([np.array([self.bos], np.int32), t]) for t in toks]
             masks = [np.concatenate([np.zeros(1, np.uint8), m]) for m in masks]
-        trained = np.fromiter((int(m[1:].sum()) for m in masks), np.int64, len(masks))
+            trained = np.fromiter((int(m[1:].sum()) for m in masks), np.int64, len(masks))
+        else:  # trained tokens after each conversation's first
+            cum = np.concatenate([[0], np.cumsum(flat_mask, dtype=np.int64)])
+            starts = np.concatenate([[0], ends[:-1]])
+            trained = cum[ends] - cum[np.minimum(starts + 1, ends)]
         rest = {k: v for k, v in cols.items() if k != self.field}
         out = {**rest, self.output: objects(toks), self.mask: objects(masks)}
         if not trained.all():

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import SourceError
 from ..storage import Blob
-from .array_record_remote import pin, ranged_reader
+from .array_record_remote import pin, ranged_reader, read_records
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
@@ -196,12 +196,13 @@ class ArrayRecordSource(FileHandles):
         order = np.argsort(shard, kind="stable")
         cuts = np.flatnonzero(np.diff(shard[order])) + 1
         records = np.empty(len(idx), dtype=object)
-        touched = []
-        for positions in np.split(order, cuts) if idx.size else ():
-            s = int(shard[positions[0]])
-            touched.append(s)
-            got = self._read_shard(s, local[positions], idx[positions])
-            records[positions] = np.fromiter(got, dtype=object, count=len(positions))
+        groups = [(int(shard[p[0]]), p) for p in np.split(order, cuts)] if idx.size else []
+        touched = [s for s, _ in groups]
+        ranged = [(s, p) for s, p in groups if self._blobs[s] is not None]
+        got = self._read_ranged(ranged, local) if ranged else {}
+        for s, positions in groups:
+            recs = got[s] if s in got else self._read_shard(s, local[positions], idx[positions])
+            records[positions] = np.fromiter(recs, dtype=object, count=len(positions))
         # Once per read, after it: the records above come from the files the source opened.
         check_unchanged(self.paths, self._stamps, touched, "ArrayRecordSource")
 
@@ -210,6 +211,16 @@ class ArrayRecordSource(FileHandles):
                     f"of shard {int(shard[i])})")
 
         return self.spec.decode(records, locate)
+
+    def _read_ranged(self, groups: list[tuple[int, np.ndarray]], local: np.ndarray) -> dict[int, list[bytes]]:
+        """Records of objects in a bucket: every shard's chunks requested together. On a damaged
+        chunk, nothing: the shards are then read one by one, which names the record."""
+        readers = [self._reader(s) for s, _ in groups]
+        try:
+            got = read_records(readers, [local[p] for _, p in groups])
+        except RuntimeError:
+            return {}
+        return {s: recs for (s, _), recs in zip(groups, got)}
 
     def _read_shard(self, shard: int, local: np.ndarray, global_idx: np.ndarray) -> list[bytes]:
         reader = self._reader(shard)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceError
-from ..storage import Blob, is_remote, open_blob
+from ..storage import Blob, is_remote, open_blob, read_blobs
 
 BLOCK = 1 << 16
 BLOCK_HEADER = 24
@@ -71,10 +71,18 @@ def varints(buf: bytes, count: int) -> np.ndarray:
     if count == 0:
         return np.zeros(0, dtype=np.int64)
     starts = np.concatenate([[0], ends[:-1] + 1])
-    group = np.repeat(np.arange(count), ends - starts + 1)
-    shift = (np.arange(len(b)) - starts[group]) * 7
-    vals = (b & 0x7F).astype(np.uint64) << shift.astype(np.uint64)
-    return np.add.reduceat(vals, starts).astype(np.int64)
+    lengths = ends - starts + 1
+    if lengths.max() > 10:
+        raise ValueError("a varint longer than 10 bytes")
+    low = (b & 0x7F).astype(np.int64)
+    vals = low[starts]
+    for k in range(1, int(lengths.max())):  # byte k of the varints that have one
+        longer = np.flatnonzero(lengths > k)
+        vals[longer] |= low[starts[longer] + k] << (7 * k)
+    return vals
+
+
+_local = threading.local()
 
 
 def _decompress(ctype: int, data: bytes) -> bytes:
@@ -84,18 +92,46 @@ def _decompress(ctype: int, data: bytes) -> bytes:
     if codec is None:
         raise ValueError(f"unknown compression type {ctype!r}")
     size, pos = _varint(data, 0)
+    if codec == "zstd":
+        zstd = _zstd()
+        if zstd is not None:  # ~5 us a 1 KiB record; pyarrow's wrapper costs ~25 us a call
+            try:
+                out: bytes = zstd.decompress(data[pos:], max_output_size=size)
+            except Exception as e:  # zstandard.ZstdError: damaged data
+                raise ValueError(f"zstd: {e}") from None
+            if len(out) != size:
+                raise ValueError(f"decompressed to {len(out)} bytes, expected {size}")
+            return out
     import pyarrow as pa
 
     return pa.decompress(data[pos:], decompressed_size=size, codec=codec).to_pybytes()
 
 
-def decode_chunk(logical: bytes) -> list[bytes]:
-    """The records of one chunk (`logical`: header + data, block headers removed)."""
+def _zstd() -> Any:
+    """This thread's zstandard decompressor (one per thread: they are not thread safe), or None
+    without the package (the `remote` extra installs it; pyarrow decodes then, slower)."""
+    try:
+        return _local.zstd
+    except AttributeError:
+        try:
+            import zstandard
+        except ImportError:
+            _local.zstd = None
+        else:
+            _local.zstd = zstandard.ZstdDecompressor()
+        return _local.zstd
+
+
+def chunk_values(logical: bytes) -> tuple[np.ndarray | None, bytes]:
+    """(record sizes, concatenated records) of one chunk (`logical`: header + data, block
+    headers removed); sizes is None for a one-record chunk (the `group_size:1` files Zephon
+    writes), whose record is all of the values: its sizes are then not even decompressed."""
     if len(logical) < CHUNK_HEADER:
         raise ValueError(f"chunk of {len(logical)} bytes is shorter than its header")
     data_size = int.from_bytes(logical[8:16], "little")
     ctype_chunk = logical[24]
     num_records = int.from_bytes(logical[25:32], "little")
+    decoded_size = int.from_bytes(logical[32:40], "little")
     data = logical[CHUNK_HEADER:CHUNK_HEADER + data_size]
     if len(data) != data_size:
         raise ValueError(f"chunk data is {len(data)} bytes, its header says {data_size}")
@@ -106,12 +142,56 @@ def decode_chunk(logical: bytes) -> list[bytes]:
                          "zephon.sources.write_array_record (simple chunks)")
     ctype = data[0]
     sizes_len, pos = _varint(data, 1)
-    sizes = varints(_decompress(ctype, data[pos:pos + sizes_len]), num_records)
     values = _decompress(ctype, data[pos + sizes_len:])
+    if len(values) != decoded_size:
+        raise ValueError(f"records are {len(values)} bytes, the chunk header says {decoded_size}")
+    if num_records == 1:
+        return None, values
+    sizes = varints(_decompress(ctype, data[pos:pos + sizes_len]), num_records)
     if int(sizes.sum()) != len(values):
         raise ValueError(f"record sizes add up to {int(sizes.sum())} bytes, values are {len(values)}")
+    return sizes, values
+
+
+def decode_chunk(logical: bytes) -> list[bytes]:
+    """The records of one chunk (`logical`: header + data, block headers removed)."""
+    sizes, values = chunk_values(logical)
+    if sizes is None:
+        return [values]
     cuts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
     return [values[a:b] for a, b in itertools.pairwise(cuts)]
+
+
+def index_entries(values: bytes, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(chunk offset, record count) of every footer entry, vectorised: a footer lists every
+    chunk (a million for a million records at group_size:1), and parsing the entries one by one
+    in Python took seconds. Each entry is a protobuf message of varint fields (1: chunk offset,
+    3: records); anything else falls back to the entry-by-entry parser."""
+    n = len(sizes)
+    b = np.frombuffer(values, dtype=np.uint8)
+    ends = np.flatnonzero(b < 0x80)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    try:
+        vals = varints(values, len(ends))
+    except ValueError:
+        vals = None
+    if vals is not None and n and np.all(sizes > 0):
+        cum = np.searchsorted(ends, bounds - 1, side="right")  # varints ending before each entry
+        per = np.diff(cum)
+        # every entry ends on a varint's end and holds (key, value) pairs: then the keys are the
+        # varints at even positions of the whole footer, and an entry's pairs are contiguous
+        if np.array_equal(ends[cum[1:] - 1], bounds[1:] - 1) and np.all(per % 2 == 0):
+            keys, fields_ = vals[0::2], vals[1::2]
+            if np.all(keys & 7 == 0):
+                field_no, owner = keys >> 3, np.repeat(np.arange(n), per // 2)
+                begins = np.zeros(n, np.int64)
+                counts = np.zeros(n, np.int64)
+                begins[owner[field_no == 1]] = fields_[field_no == 1]
+                counts[owner[field_no == 3]] = fields_[field_no == 3]
+                return begins, counts
+    entries = [_proto_fields(values[a:e]) for a, e in itertools.pairwise(bounds.tolist())]
+    return (np.array([e.get(1, 0) for e in entries], dtype=np.int64),
+            np.array([e.get(3, 0) for e in entries], dtype=np.int64))
 
 
 def _proto_fields(msg: bytes) -> dict[int, int]:
@@ -169,15 +249,17 @@ class RangedArrayRecord:
                 break
         if footer_offset is None or not 0 < footer_offset <= post:
             raise ValueError("its postscript names no footer")
-        records = self._chunk(footer_offset, post)
-        if not records:
+        raw = self.blob.read(footer_offset, post - footer_offset)
+        sizes, values = chunk_values(strip_block_headers(raw, footer_offset))
+        if sizes is None:
+            sizes = np.array([len(values)], np.int64)
+        if not len(sizes):
             raise ValueError("its footer is empty")
-        meta = _proto_fields(records[0][2:]) if records[0][:1] == b"\x0a" else {}
-        entries = [_proto_fields(r) for r in records[1:]]
-        if meta.get(2, len(entries)) != len(entries):
-            raise ValueError(f"its footer lists {len(entries)} chunks but says {meta.get(2)}")
-        begins = np.array([e.get(1, 0) for e in entries], dtype=np.int64)
-        counts = np.array([e.get(3, 0) for e in entries], dtype=np.int64)
+        head = values[:int(sizes[0])]
+        meta = _proto_fields(head[2:]) if head[:1] == b"\x0a" else {}
+        begins, counts = index_entries(values[int(sizes[0]):], sizes[1:])
+        if meta.get(2, len(begins)) != len(begins):
+            raise ValueError(f"its footer lists {len(begins)} chunks but says {meta.get(2)}")
         if len(begins) and (np.any(np.diff(begins) <= 0) or begins[-1] >= footer_offset):
             raise ValueError("its chunk offsets are not increasing within the data")
         self.chunk_begin = begins
@@ -198,12 +280,17 @@ class RangedArrayRecord:
 
     def read(self, indices: list[int]) -> list[bytes]:
         """Records at `indices` (in that order): each chunk touched is fetched and decoded once."""
-        idx = np.asarray(indices, dtype=np.int64)
+        return read_records([self], [np.asarray(indices, dtype=np.int64)])[0]
+
+    def chunks_of(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+        """(chunk of each record, the chunks touched, their byte ranges)."""
         chunk = np.searchsorted(self.chunk_first, idx, side="right") - 1
         wanted = np.unique(chunk)
-        ranges = [(int(self.chunk_begin[c]), int(self.chunk_end[c] - self.chunk_begin[c]))
-                  for c in wanted.tolist()]
-        raw = self.blob.read_ranges(ranges)
+        begin, end = self.chunk_begin[wanted], self.chunk_end[wanted]
+        return chunk, wanted, list(zip(begin.tolist(), (end - begin).tolist()))
+
+    def records_of(self, idx: np.ndarray, chunk: np.ndarray, wanted: np.ndarray,
+                   ranges: list[tuple[int, int]], raw: list[bytes]) -> list[bytes]:
         decoded: dict[int, list[bytes]] = {}
         for c, (begin, _), data in zip(wanted.tolist(), ranges, raw):
             try:
@@ -212,6 +299,15 @@ class RangedArrayRecord:
                 raise RuntimeError(f"chunk at byte {begin} is damaged: {e}") from e
         local = (idx - self.chunk_first[chunk]).tolist()
         return [decoded[c][r] for c, r in zip(chunk.tolist(), local)]
+
+
+def read_records(readers: list[RangedArrayRecord], indices: list[np.ndarray]) -> list[list[bytes]]:
+    """The records at `indices[k]` of `readers[k]`, for all readers at once: the chunks of every
+    file are requested together (one round of requests for a read across shards)."""
+    plans = [r.chunks_of(idx) for r, idx in zip(readers, indices)]
+    raws = read_blobs([(r.blob, ranges) for r, (_, _, ranges) in zip(readers, plans)])
+    return [r.records_of(idx, chunk, wanted, ranges, raw)
+            for r, idx, (chunk, wanted, ranges), raw in zip(readers, indices, plans, raws)]
 
 
 _footers: dict[tuple[str, str], RangedArrayRecord] = {}

@@ -2,7 +2,7 @@
 retries under a deadline, listing and atomic writes. See the README section "Object storage".
 """
 
-from .blob import Blob, open_blob
+from .blob import Blob, open_blob, read_blobs
 from .client import STATS, credential_source, reset
 from .errors import (
     ObjectChangedError,
@@ -35,6 +35,7 @@ __all__ = [
     "parse",
     "policy",
     "put_atomic",
+    "read_blobs",
     "read_object",
     "reset",
 ]

@@ -43,16 +43,19 @@ class Blob:
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """The bytes of each (offset, length), in the order asked; fetched concurrently."""
+        if is_remote(self.url):
+            return read_blobs([(self, ranges)])[0]
+        self.check(ranges)
+        return _read_local(self, ranges)
+
+    def check(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Raises `ObjectCorruptError` for a range outside the object (a wrong index)."""
         bad = [(o, n) for o, n in ranges if o < 0 or n < 0 or o + n > self.size]
         if bad:
             o, n = bad[0]
             raise ObjectCorruptError(f"{self.url}: byte range [{o}, {o + n}) is outside the object "
                                      f"({self.size} bytes): its index is corrupt or belongs to "
                                      "another version. Rewrite or re-index it.")
-        if is_remote(self.url):
-            adopt(self.settings)
-            return _read_remote(self, ranges)
-        return _read_local(self, ranges)
 
 
 def open_blob(url: str) -> Blob:
@@ -93,60 +96,64 @@ def _read_local(blob: Blob, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
     return out
 
 
-def _read_remote(blob: Blob, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-    pol = policy()
-    if pol.cache_bytes > 0:
-        return _read_cached(blob, ranges, pol.cache_bytes)
-    return _fetch_remote(blob, ranges)
+def read_blobs(items: Sequence[tuple[Blob, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
+    """`blob.read_ranges(ranges)` for every (blob, ranges), all objects' requests in flight
+    together (a read that touches several shards waits for one round of requests, not one per
+    shard). Local files are read in place."""
+    out: list[list[bytes] | None] = [None] * len(items)
+    remote = []
+    for i, (blob, ranges) in enumerate(items):
+        if is_remote(blob.url):
+            blob.check(ranges)
+            adopt(blob.settings)
+            remote.append(i)
+        else:
+            out[i] = blob.read_ranges(ranges)
+    if remote:
+        pol = policy()
+        got = (_read_cached_many if pol.cache_bytes > 0 else _fetch_many)([items[i] for i in remote])
+        for i, data in zip(remote, got):
+            out[i] = data
+    return [o if o is not None else [] for o in out]
 
 
-def _read_cached(blob: Blob, ranges: Sequence[tuple[int, int]], budget: int) -> list[bytes]:
+def _read_cached_many(items: Sequence[tuple[Blob, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
     """Ranges from the local cache; the misses fetched together, then cached (cache.py)."""
-    hits = cache.lookup(blob.url, blob.version, ranges)
-    missing = [i for i, h in enumerate(hits) if h is None]
-    if missing:
-        want = [ranges[i] for i in missing]
-        got = _fetch_remote(blob, want)
-        cache.store(blob.url, blob.version, want, got, budget)
-        for i, data in zip(missing, got):
-            hits[i] = data
-    return [h if h is not None else b"" for h in hits]
+    budget = policy().cache_bytes
+    hits = [cache.lookup(blob.url, blob.version, ranges) for blob, ranges in items]
+    missing = [[i for i, h in enumerate(found) if h is None] for found in hits]
+    want = [[ranges[i] for i in miss] for (_, ranges), miss in zip(items, missing)]
+    got = _fetch_many([(blob, w) for (blob, _), w in zip(items, want)])
+    out = []
+    for (blob, _), found, miss, w, data in zip(items, hits, missing, want, got):
+        if miss:
+            cache.store(blob.url, blob.version, w, data, budget)
+        for i, d in zip(miss, data):
+            found[i] = d
+        out.append([h if h is not None else b"" for h in found])
+    return out
 
 
-def _fetch_remote(blob: Blob, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+def _fetch_many(items: Sequence[tuple[Blob, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
     pol = policy()
-    wanted = [(o, n) for o, n in ranges if n > 0]
-    requests, where = plan_requests(wanted, pol.merge_gap, pol.max_request)
-    loc = parse(blob.url)
+    plans = []
+    for _, ranges in items:
+        wanted = [(o, n) for o, n in ranges if n > 0]
+        plans.append(plan_requests(wanted, pol.merge_gap, pol.max_request, pol.overfetch))
 
-    async def fetch(start: int, end: int) -> bytes:
-        from obstore import get_async
+    async def all_requests() -> list[list[bytes]]:
+        groups = [asyncio.gather(*(_fetch(blob, s, e, pol) for s, e in reqs))
+                  for (blob, _), (reqs, _) in zip(items, plans)]
+        return [list(g) for g in await asyncio.gather(*groups)]
 
-        async def once() -> bytes:
-            opts: dict[str, Any] = {"range": (start, end)}
-            if blob.version:
-                opts["if_match"] = blob.version
-            result = await get_async(store(loc), loc.key, options=opts)  # type: ignore[arg-type]
-            got_tag = result.meta.get("e_tag")
-            if blob.version and got_tag and got_tag != blob.version:
-                raise ObjectChangedError(f"{blob.url}: the object was replaced (ETag {got_tag} is "
-                                         f"not the pinned {blob.version}); reading stops rather "
-                                         "than mix two versions. Restore the original object, "
-                                         "or build a new source for the new data.")
-            data = bytes(await result.bytes_async())
-            if len(data) != end - start:
-                raise ObjectCorruptError(f"{blob.url}: asked for bytes [{start}, {end}) and got "
-                                         f"{len(data)} bytes (a short read): the object is shorter "
-                                         "than its index says. Rewrite it.")
-            STATS["bytes"] += len(data)
-            return data
+    fetched = run(all_requests(), items[0][0].url) if any(reqs for reqs, _ in plans) else \
+        [[] for _ in items]
+    return [_reassemble(ranges, where, data) for (_, ranges), (_, where), data in zip(items, plans, fetched)]
 
-        return await retrying(blob.url, f"reading bytes [{start}, {end})", once, pol)
 
-    async def all_requests() -> list[bytes]:
-        return list(await asyncio.gather(*(fetch(s, e) for s, e in requests)))
-
-    fetched = run(all_requests(), blob.url) if requests else []
+def _reassemble(ranges: Sequence[tuple[int, int]], where: list[tuple[int, int]],
+                fetched: list[bytes]) -> list[bytes]:
+    """Each range's bytes, in the order asked, cut from the requests that fetched them."""
     out: list[bytes] = []
     k = 0
     for _, n in ranges:
@@ -160,4 +167,32 @@ def _fetch_remote(blob: Blob, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
     return out
 
 
-__all__ = ["Blob", "open_blob"]
+async def _fetch(blob: Blob, start: int, end: int, pol: Any) -> bytes:
+    """Bytes [start, end) of the pinned version of `blob`, under the retry policy."""
+    from obstore import get_async
+
+    loc = parse(blob.url)
+
+    async def once() -> bytes:
+        opts: dict[str, Any] = {"range": (start, end)}
+        if blob.version:
+            opts["if_match"] = blob.version
+        result = await get_async(store(loc), loc.key, options=opts)  # type: ignore[arg-type]
+        got_tag = result.meta.get("e_tag")
+        if blob.version and got_tag and got_tag != blob.version:
+            raise ObjectChangedError(f"{blob.url}: the object was replaced (ETag {got_tag} is "
+                                     f"not the pinned {blob.version}); reading stops rather "
+                                     "than mix two versions. Restore the original object, "
+                                     "or build a new source for the new data.")
+        data = bytes(await result.bytes_async())
+        if len(data) != end - start:
+            raise ObjectCorruptError(f"{blob.url}: asked for bytes [{start}, {end}) and got "
+                                     f"{len(data)} bytes (a short read): the object is shorter "
+                                     "than its index says. Rewrite it.")
+        STATS["bytes"] += len(data)
+        return data
+
+    return await retrying(blob.url, f"reading bytes [{start}, {end})", once, pol)
+
+
+__all__ = ["Blob", "open_blob", "read_blobs"]

@@ -9,10 +9,11 @@ replaced) and 416 (a range past the end: the index is wrong) fail at once.
 Knobs (environment, read when a store is first used in a process; `configure()` overrides):
 ZEPHON_STORAGE_TIMEOUT (s, per request, default 30), ZEPHON_STORAGE_DEADLINE (s, per range,
 default 120), ZEPHON_STORAGE_ATTEMPTS (default 6), ZEPHON_STORAGE_CONCURRENCY (requests in
-flight per process, default 64), ZEPHON_STORAGE_MERGE_GAP (bytes, default 4096: ranges closer
-than this are fetched by one request; larger gaps would fetch bytes nobody needs),
-ZEPHON_STORAGE_MAX_REQUEST (bytes, default 8 MiB), ZEPHON_STORAGE_CACHE_BYTES (the local
-cache's budget in bytes, default 0: no cache; see cache.py).
+flight per process, default 64), ZEPHON_STORAGE_OVERFETCH (default 0.8: one read's requests may
+fetch at most this fraction more bytes than it asked for, spent on the smallest gaps between its
+ranges, which saves their round trips), ZEPHON_STORAGE_MERGE_GAP (bytes, default 65536: no
+gap longer than this is ever fetched), ZEPHON_STORAGE_MAX_REQUEST (bytes, default 8 MiB),
+ZEPHON_STORAGE_CACHE_BYTES (the local cache's budget in bytes, default 0: no cache; see cache.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class StoragePolicy:
     deadline: float = 120.0
     attempts: int = 6
     concurrency: int = 64
-    merge_gap: int = 4096
+    overfetch: float = 0.8
+    merge_gap: int = 65536
     max_request: int = 8 << 20
     cache_bytes: int = 0
     backoff: float = 0.1
@@ -51,7 +53,7 @@ def _from_env() -> StoragePolicy:
             value = float(raw) if f.type in ("float", float) else int(raw)
         except ValueError:
             raise ValueError(f"ZEPHON_STORAGE_{f.name.upper()}={raw!r} is not a number") from None
-        if value <= 0 and f.name not in ("merge_gap", "cache_bytes"):
+        if value < 0 or (value == 0 and f.name not in ("merge_gap", "cache_bytes", "overfetch")):
             raise ValueError(f"ZEPHON_STORAGE_{f.name.upper()} must be > 0, got {raw!r}")
         values[f.name] = value
     return StoragePolicy(**values)

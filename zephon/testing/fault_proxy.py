@@ -1,9 +1,10 @@
 """A small asyncio HTTP proxy on 127.0.0.1 that injects the faults object storage has in real
 life: added latency, 503s, stalls and connections reset in the middle of a body.
 
-It forwards each request unchanged (the Host header too, so S3 signatures still verify) over a
-fresh upstream connection, then applies the next scheduled fault to ranged GETs only (so test
-set-up traffic is never disturbed). Used by the storage tests and benchmarks/storage.py.
+It forwards each request unchanged (the Host header too, so S3 signatures still verify) over an
+upstream connection kept alive per client connection, then applies the next scheduled fault to
+ranged GETs only (so test set-up traffic is never disturbed). Used by the storage tests and
+benchmarks/storage.py.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class FaultProxy:
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.faults = Faults()
+        self._open: set[asyncio.StreamWriter] = set()  # client and upstream connections
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
@@ -60,14 +62,20 @@ class FaultProxy:
         self._loop.run_forever()
 
     def close(self) -> None:
-        def stop() -> None:
+        async def shutdown() -> None:
             self._server.close()
-            self._loop.stop()
+            for w in list(self._open):  # connections still open (kept alive): closed on the loop
+                w.close()
+            await asyncio.sleep(0.05)
 
-        self._loop.call_soon_threadsafe(stop)
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []  # kept alive
+        self._open.add(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -76,17 +84,22 @@ class FaultProxy:
                            (line.partition(":") for line in lines[1:] if line)}
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 ranged = lines[0].startswith("GET ") and "range" in headers
-                await self._one(head, body, ranged, writer)
+                await self._one(head, body, ranged, writer, upstream)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass
         finally:
+            for _, up_w in upstream:
+                self._open.discard(up_w)
+                up_w.close()
+            self._open.discard(writer)
             with contextlib.suppress(Exception):
                 writer.close()
 
-    async def _one(self, head: bytes, body: bytes, ranged: bool, writer: asyncio.StreamWriter) -> None:
+    async def _one(self, head: bytes, body: bytes, ranged: bool, writer: asyncio.StreamWriter,
+                   upstream: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]) -> None:
         f = self.faults
         f.requests += 1
-        if f.latency:
+        if f.latency:  # every request waits its full latency, on its own (concurrent requests overlap)
             await asyncio.sleep(f.latency)
         fault = ranged and f.take()
         if fault and f.status:
@@ -97,30 +110,62 @@ class FaultProxy:
             return
         if fault and f.stall:
             await asyncio.sleep(f.stall)
-        up_r, up_w = await asyncio.open_connection(*self.upstream)
+        text = head.decode("latin-1").split("\r\n")
+        kept = [ln for ln in text[1:] if ln and not ln.lower().startswith("connection:")]
+        if self.rewrite_host:
+            kept = [f"Host: {self.upstream[0]}:{self.upstream[1]}" if ln.lower().startswith("host:")
+                    else ln for ln in kept]
+        request = ("\r\n".join([text[0], *kept, "", ""])).encode("latin-1") + body
+        # one upstream connection per client connection, reused while the upstream keeps it open
+        # (a new TCP connection per request made this proxy, not the server, the bottleneck)
+        if not upstream:
+            upstream.append(await asyncio.open_connection(*self.upstream))
+            self._open.add(upstream[0][1])
+        up_r, up_w = upstream[0]
+        keep = False
         try:
-            text = head.decode("latin-1").split("\r\n")
-            kept = [ln for ln in text[1:] if ln and not ln.lower().startswith("connection:")]
-            if self.rewrite_host:
-                kept = [f"Host: {self.upstream[0]}:{self.upstream[1]}" if ln.lower().startswith("host:")
-                        else ln for ln in kept]
-            up_w.write(("\r\n".join([text[0], *kept, "Connection: close", "", ""])).encode("latin-1") + body)
+            up_w.write(request)
             await up_w.drain()
-            answer = await up_r.read()
+            answer, keep = await _response(up_r, text[0].startswith("HEAD "))
         finally:
-            up_w.close()
+            if not keep:  # closed by the upstream, or broken: a new one next time
+                upstream.clear()
+                self._open.discard(up_w)
+                up_w.close()
         if fault and f.reset:
             writer.write(answer[: len(answer) // 2])
             await writer.drain()
             writer.transport.abort()
             raise ConnectionResetError("injected reset")
-        # the upstream closed its side; keep the client's connection alive (length-delimited)
-        if b"\r\nconnection: close" in answer.lower()[: answer.find(b"\r\n\r\n")]:
-            writer.write(answer)
-            await writer.drain()
-            raise ConnectionResetError("upstream asked to close")
         writer.write(answer)
         await writer.drain()
+        if not keep:  # the upstream closed its side: so does the client's connection
+            raise ConnectionResetError("upstream asked to close")
+
+
+async def _response(up: asyncio.StreamReader, head_request: bool) -> tuple[bytes, bool]:
+    """One whole HTTP/1.1 response as raw bytes, and whether the connection stays usable."""
+    head = await up.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    headers = {k.strip().lower(): v.strip().lower() for k, _, v in
+               (line.partition(":") for line in lines[1:] if line)}
+    keep = headers.get("connection") != "close"
+    if head_request or status in (204, 304) or 100 <= status < 200:
+        return head, keep
+    if "content-length" in headers:
+        return head + await up.readexactly(int(headers["content-length"])), keep
+    if "chunked" in headers.get("transfer-encoding", ""):
+        parts = [head]
+        while True:
+            line = await up.readuntil(b"\r\n")
+            size = int(line.split(b";")[0], 16)
+            parts += [line, await up.readexactly(size + 2)]
+            if size == 0:
+                if parts[-1] != b"\r\n":  # trailers: up to the empty line
+                    parts.append(await up.readuntil(b"\r\n\r\n"))
+                return b"".join(parts), keep
+    return head + await up.read(), False  # delimited by the close
 
 
 def main() -> None:
