@@ -172,7 +172,7 @@ def test_tiktoken_ids_equal_on_real_multilingual_text(real):
     except ValueError:
         pytest.skip("no cl100k_base files installed (the [cl100k] extra)")
     op = Tokenize(enc, eos=enc.eot_token)
-    batch = real + multilingual(200, 9) + TRICKY + ["<|endoftext|> is text here"]
+    batch = real + multilingual(200, 9) + TRICKY + ["<|endoftext|> is text here", "lone \ud800 surrogate"]
     got = op.encode(batch)
     want = enc.encode_ordinary_batch(batch)
     for g, w in zip(got, want):

@@ -25,6 +25,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -44,8 +45,10 @@ def _sha256(data: bytes) -> str:
 PIECES_PER_SEQUENCE = 4096
 
 
-def _ids(lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
-    return [np.array(x, np.int32) for x in lists]
+@functools.lru_cache(maxsize=4)
+def _thread_pool(threads: int) -> ThreadPoolExecutor:
+    """One pool a process and size (tiktoken releases the GIL while it encodes)."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="zephon-tiktoken")
 
 
 def _flat(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -149,7 +152,23 @@ class TiktokenEncoder:
         return self._identity
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return _ids(self.encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1))
+        """`encode_ordinary_batch`'s ids, as arrays straight from tiktoken's buffer: its lists of
+        Python ints (and a thread pool made per call) cost 2-3x the encoding itself."""
+        one = self._encode_one
+        if len(texts) < 2:
+            return list(map(one, texts))
+        return list(_thread_pool(os.cpu_count() or 1).map(one, texts))
+
+    def _encode_one(self, text: str) -> np.ndarray:
+        # encode() with no special token allowed nor checked is encode_ordinary (tiktoken's
+        # docstring); lone surrogates are replaced as encode_ordinary does
+        enc = self.encoding
+        try:
+            ids = enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        except UnicodeEncodeError:
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            ids = enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        return ids.astype(np.int32)
 
     def encode_pieces(self, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         return _flat(list(map(self.encoding._encode_single_piece, pieces)))
