@@ -205,11 +205,12 @@ class Processes:
             # process first starts it (each worker importing them took 0.15-0.25 s); a module
             # that fails to import there is imported by the workers as before
             named = sorted(m for m in modules if m != "__main__" and m.split(".")[0] != "builtins")
-            ctx.set_forkserver_preload(["numpy", "zephon.runners", *named])
+            ctx.set_forkserver_preload(list(dict.fromkeys(["numpy", "zephon.runners", *named])))
+        share = max(1, available_cores() // self.workers)  # each worker's native threads
         with contextlib.nullcontext() if with_main else _main_not_imported():
             for i in range(self.workers):
                 parent, child = ctx.Pipe(duplex=True)  # a socketpair: it can carry descriptors
-                proc = ctx.Process(target=worker_main, args=(child, i, os.getpid()), daemon=True,
+                proc = ctx.Process(target=worker_main, args=(child, i, os.getpid(), share), daemon=True,
                                    name=f"zephon-worker-{i}")
                 proc.start()
                 child.close()
