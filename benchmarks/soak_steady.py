@@ -5,7 +5,8 @@
 The soak's pipeline (`benchmarks/soak.py`: two JSONL corpora mixed 0.7/0.3 by tokens in 8 lanes,
 per-source `Tokenize`, `Pack(256)`, batch 16) runs uninterrupted on one loader with
 `processes(2)` for `--duration` seconds. Every second a sample: the consumer's open descriptors,
-its memfd descriptors and memfd mappings, its RSS, and the workers' RSS. After a warm-up (the
+its memfd descriptors and memfd mappings, its RSS, and the workers' RSS — and of each RSS its
+private part (RssAnon: heap and arrays, without the shared-memory slots RSS also counts). After a warm-up (the
 first `--warmup` fraction of the run) a least-squares line is fitted to each series; the report
 gives each slope per minute and the rise it predicts over the rest of the run, and fails (exit 1)
 when a series still rises: slope × measured span above `--tolerance` of its level (RSS) or more
@@ -32,19 +33,34 @@ from soak import RESULTS, Job, _mappings, _memfd_fds
 
 from zephon.runners import processes
 
-SERIES = ("fds", "memfds", "memfd_maps", "rss_mb", "workers_rss_mb")
+SERIES = ("fds", "memfds", "memfd_maps", "rss_mb", "workers_rss_mb", "anon_mb", "workers_anon_mb")
 COUNTS = ("fds", "memfds", "memfd_maps")
 
 
+def anon_mb(pid: int | str = "self") -> float:
+    """RssAnon: the process's private memory (heap, arrays), without the shared-memory slots and
+    mapped files that RSS also counts."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def sample(me: psutil.Process, workers: list[int]) -> dict[str, float]:
-    wrss = 0
+    wrss = wanon = 0.0
     for pid in workers:
         try:
-            wrss += psutil.Process(pid).memory_info().rss
+            wrss += psutil.Process(pid).memory_info().rss / 2**20
+            wanon += anon_mb(pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return {"fds": len(os.listdir("/proc/self/fd")), "memfds": _memfd_fds(), "memfd_maps": _mappings()[0],
-            "rss_mb": me.memory_info().rss / 2**20, "workers_rss_mb": wrss / 2**20}
+            "rss_mb": me.memory_info().rss / 2**20, "workers_rss_mb": wrss,
+            "anon_mb": anon_mb(), "workers_anon_mb": wanon}
 
 
 def slopes(t: np.ndarray, rows: list[dict[str, float]], start: float) -> dict[str, dict[str, float]]:
@@ -60,6 +76,19 @@ def slopes(t: np.ndarray, rows: list[dict[str, float]], start: float) -> dict[st
                   "first": round(float(y[0]), 2), "last": round(float(y[-1]), 2),
                   "min": round(float(y.min()), 2), "max": round(float(y.max()), 2)}
     return out
+
+
+def verdict(t: np.ndarray, rows: list[dict[str, float]], warmup: float, tolerance: float
+            ) -> tuple[dict[str, dict[str, float]], dict[str, bool]]:
+    """The fit after the warm-up (`warmup`: fraction of the run) and, per series, whether it is
+    flat: the rise the fitted line predicts over the measured span is at most 2 (descriptors,
+    mappings) or `tolerance` of the series' first level after warm-up (RSS)."""
+    fit = slopes(t, rows, warmup * float(t[-1]))
+    flat = {}
+    for k, f in fit.items():
+        allowed = 2.0 if k in COUNTS else tolerance * max(f["first"], 1.0)
+        flat[k] = f["rise_over_span"] <= allowed
+    return fit, flat
 
 
 def main() -> int:
@@ -98,11 +127,7 @@ def main() -> int:
             loader.close()
         after = sample(me, [])
     t = np.array(times)
-    fit = slopes(t, rows, args.warmup * float(t[-1]))
-    flat = {}
-    for k, f in fit.items():
-        allowed = 2.0 if k in COUNTS else args.tolerance * max(f["first"], 1.0)
-        flat[k] = f["rise_over_span"] <= allowed
+    fit, flat = verdict(t, rows, args.warmup, args.tolerance)
     report = {"duration_s": round(float(t[-1]), 1), "steps": steps[0], "warmup_s": round(args.warmup * float(t[-1]), 1),
               "load_avg": os.getloadavg(), "cpus": os.cpu_count(), "after_close": after,
               "fit_after_warmup": fit, "flat": flat, "ok": all(flat.values()),
@@ -126,7 +151,7 @@ def main() -> int:
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
         for k in COUNTS:
             axes[0].plot(t, [r[k] for r in rows], label=k)
-        for k in ("rss_mb", "workers_rss_mb"):
+        for k in ("rss_mb", "workers_rss_mb", "anon_mb", "workers_anon_mb"):
             axes[1].plot(t, [r[k] for r in rows], label=k)
         for ax in axes:
             ax.axvline(args.warmup * float(t[-1]), color="grey", ls="--", lw=0.8)

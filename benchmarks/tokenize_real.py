@@ -24,7 +24,8 @@ the first batch would miss most of the tokenizing of a small corpus):
                   batch 32, mp_prefetch with 2 workers
   zephon inline / processes:2
                   `Source(n).shuffle(0).lanes(8).batch(32)`, `Tokenize(tok, eos)` (the
-                  exact pre-token cache; for cl100k_base the tiktoken backend) then
+                  exact pre-token cache for the two trained BPEs; for cl100k_base the
+                  tiktoken backend, whose own batched encode outruns the cache) then
                   `Pack(2048, "concat")`
 
 Before timing, every tokenizer's cache ids are checked against its own batched encode on the

@@ -102,7 +102,7 @@ def test_token_mix_counter_without_a_read_input_is_refused():
         Loader(plan, srcs).restore(state)
 
 
-def _mixed_packed(corpora, by="tokens", stop="first"):
+def _mixed_packed(corpora, by="tokens", stop="first", max_tokens=None):
     """The soak's pipeline, small: prose and code mixed 0.7/0.3 in 4 lanes, per-source Tokenize
     with EOS (every record counts at least one token), Pack(64)."""
     from zephon.demo.textdata import EOS_ID
@@ -115,8 +115,9 @@ def _mixed_packed(corpora, by="tokens", stop="first"):
         kids = [k.repeat() for k in kids]
     plan = Mix(kids, [0.7, 0.3], by=by, stop=stop).lanes(4).batch(8)
     srcs = [ArraySource({"text": objects(prose)}), ArraySource({"body": objects(code)})]
-    kw = {"transforms": [Pack(64, "concat")],
-          "per_source": {0: [Tokenize(tok, eos=EOS_ID)], 1: [Tokenize(tok, field="body", eos=EOS_ID)]}}
+    kw = {"transforms": [Pack(64, "concat", drop=("truncated",) if max_tokens else ())],
+          "per_source": {0: [Tokenize(tok, eos=EOS_ID, max_tokens=max_tokens, overflow="truncate")],
+                         1: [Tokenize(tok, field="body", eos=EOS_ID, max_tokens=max_tokens, overflow="truncate")]}}
     return lambda rank=0, world=1: Loader(plan, srcs, rank=rank, world=world, **kw)
 
 
@@ -146,13 +147,20 @@ def test_token_mix_counters_that_cannot_agree_with_the_cursors_are_refused(corpo
     state["lanes"]["0"]["mix"][1] += 1
     with pytest.raises(StateError, match="exactly"):
         make().restore(state)
+    # documents truncated to 8 tokens: a counter cannot exceed 8 per input read
+    make = _mixed_packed(corpora, max_tokens=8)
+    state = _advanced(make, 3)
+    state["lanes"]["3"]["mix"] = [2**53, 2**53]
+    with pytest.raises(StateError, match="at most"):
+        make().restore(state)
 
 
-@pytest.mark.parametrize("by,stop", [("tokens", "first"), ("samples", "all")])
-def test_genuine_mixed_packed_states_round_trip_at_every_degree(corpora, tmp_path, by, stop):
+@pytest.mark.parametrize("by,stop,max_tokens", [("tokens", "first", None), ("samples", "all", None),
+                                                ("tokens", "first", 8)])
+def test_genuine_mixed_packed_states_round_trip_at_every_degree(corpora, tmp_path, by, stop, max_tokens):
     from zephon.verify import run_fingerprints
 
-    make = _mixed_packed(corpora, by, stop)
+    make = _mixed_packed(corpora, by, stop, max_tokens)
     ref = run_fingerprints([make()], 14)
     for step, saved_d, restored_d in ((1, 1, 4), (4, 2, 1), (9, 4, 2)):
         ranks = [make(r, saved_d) for r in range(saved_d)]

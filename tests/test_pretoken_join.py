@@ -102,3 +102,24 @@ def test_chat_ids_and_masks_equal_piece_by_piece(tok, template):
     out, _ = op.apply({"messages": objects(convs)}, refs, 0)
     for (want_t, want_m), t, m in zip(chat_reference(tok, template, op.train, convs), out["tokens"], out["loss_mask"]):
         assert np.array_equal(t, want_t) and np.array_equal(m, want_m)
+
+
+def test_turn_templates_render_as_joined_pieces():
+    """`ChatTemplate.render` (the fast path) equals its definition: start, then per message
+    header (untrained), content and tail (trained for trained roles), empty text dropped and
+    neighbours with the same flag joined."""
+    from zephon.ops.chat import _joined
+
+    rng = np.random.default_rng(4)
+    for turn, start in (("<|{role}|>\n{content}<|end|>\n", ""), ("{content}", ""), ("{role}:{content}", "S"),
+                        ("{content}\n", "<s>"), ("[{role}]{content}", "")):
+        tpl = ChatTemplate(turn=turn, start=start)
+        head, tail = turn.split("{content}")
+        for _ in range(200):
+            roles = rng.choice(["system", "user", "assistant", ""], size=int(rng.integers(0, 6)))
+            msgs = [{"role": str(r), "content": str(rng.choice(["", "x", " y\n"]))} for r in roles]
+            train = frozenset(rng.choice(["user", "assistant", ""], size=2).tolist())
+            want = _joined([(start, False)] + [p for m in msgs for p in (
+                (head.replace("{role}", m["role"]), False), (m["content"], m["role"] in train),
+                (tail.replace("{role}", m["role"]), m["role"] in train))])
+            assert tpl.render(msgs, train) == want, (turn, msgs, train)

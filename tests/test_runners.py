@@ -373,3 +373,51 @@ def test_every_kind_of_anonymous_segment_is_shared_and_nameless(kind):
     with pytest.raises(ValueError):
         transport.anonymous_segment(label, 4096, kind="nope")
     assert mmap.PAGESIZE <= transport.slot_size(1) <= 2 * mmap.PAGESIZE
+
+
+MAIN_SCRIPT = '''
+import os, sys
+with open(sys.argv[1], "a") as f:  # one line each time this script is imported
+    f.write(f"{os.getpid()}\\n")
+
+def plus_one(x):
+    return x + 1
+
+if __name__ == "__main__":
+    import operator
+    from zephon.runners import Processes
+    with Processes(2, start_method=sys.argv[2]) as runner:
+        assert list(runner.imap(operator.neg, range(6))) == [0, -1, -2, -3, -4, -5]
+        before = len(open(sys.argv[1]).read().split())
+        assert list(runner.imap(plus_one, range(6))) == [1, 2, 3, 4, 5, 6]  # restarts with main
+    print(before, len(open(sys.argv[1]).read().split()))
+'''
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_import_the_main_script_only_for_functions_defined_there(tmp_path, method):
+    """A script's workers skip re-importing it (seconds where it imports a framework) unless the
+    function they run is defined in it; then they import it and run it."""
+    import subprocess
+
+    script, log = tmp_path / "script.py", tmp_path / "imports.txt"
+    script.write_text(MAIN_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(log), method], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert out.split() == ["1", "3"]  # the script itself; then it and the two restarted workers
+
+
+def test_the_modules_a_function_pickle_names_are_known_before_workers_start():
+    """What the forkserver preloads (and whether the workers need the main script)."""
+    from zephon.runners.processes import _dumps
+
+    blob, modules = _dumps(Map(double))
+    assert {"zephon.ops.map", __name__} <= modules and "__main__" not in modules
+    assert __import__("pickle").loads(blob).fn is double

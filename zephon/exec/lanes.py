@@ -112,7 +112,6 @@ class LaneEngine(PerLaneAssembly):
         self._dry = np.zeros(len(owned), np.int64)
         self._checked = -1  # the last window number the guard counted (windows come in order)
         self._held: list[tuple[Columns, list[Provenance]]] = []
-        self._offer: dict[int, int] = {}
         if pipeline.acc is not None:
             self._held = rematerialize(self.task, self.states)
             for lane, st, (cols, _) in zip(owned, self._states, self._held):

@@ -39,7 +39,6 @@ class PerLaneAssembly:
     _skip_applied: bool
     _states: list[LaneState]
     _held: list[tuple[Columns, list[Provenance]]]
-    _offer: dict[int, int]  # per owned lane: inputs to offer the accumulator next step
 
     @property
     def states(self) -> list[LaneState]:
@@ -84,10 +83,7 @@ class PerLaneAssembly:
         got: list[Columns] = []
         prov: list[list[Segment]] = []
         produced = 0
-        # inputs to offer: what the lane used last step (an accumulator that needs many inputs a
-        # row is then called once a step, not once per doubling); more only costs a longer peek
-        guess = max(4, per * 4, self._offer.get(k, 0))
-        inputs = 0
+        guess = max(4, per * 4)
         while produced < per:
             rows, branches = self._candidates(k, guess, mix)
             new = _gather(rows)
@@ -124,7 +120,6 @@ class PerLaneAssembly:
                 segs = [[(all_prov[i][3], all_prov[i][4], all_prov[i][5], s0, s1) for i, s0, s1 in row]
                         for row in (res.segments or [[] for _ in range(produced_now)])]
             taken = [0] * self.nb
-            inputs += used
             for (w, r), b in zip(rows[:used], branches[:used]):
                 cursor[b], skip[b] = int(w.index[r]), int(w.sub[r]) + 1
                 if self.schedule is not None:
@@ -143,7 +138,6 @@ class PerLaneAssembly:
                 guess *= 2
         if acc is not None:
             self._held[k] = (held_cols, held_prov)
-        self._offer[k] = min(inputs + inputs // 4 + 4, 1 << 14)
         cur, skp = canonical(np.array(cursor, np.int64), np.array(skip, np.int64), self.pipeline.expands)
         state = LaneState(tuple(int(c) for c in cur), tuple(int(x) for x in skp), tuple(mix),
                           tuple((p[0], p[1], p[2]) for p in held_prov), carry)

@@ -140,18 +140,19 @@ def _chain(pipeline: LanePipeline, sid: int) -> list[Transform]:
     return out
 
 
-def _counts_each(mix: Mix, chain: Sequence[Transform]) -> int | None:
-    """What one record of this chain counts at least (1 or 0), or None when nothing is known."""
+def _counts_each(mix: Mix, chain: Sequence[Transform]) -> tuple[int, int | None]:
+    """What one record of this chain counts: (at least, at most or None when unknown)."""
     if not mix.by_tokens:
-        return 1  # read whole by samples: every record counts one
+        return 1, 1  # read whole by samples: every record counts one
     if mix.by != "tokens" or not chain:
-        return None  # trained tokens: a record may train on none of its tokens
+        return 0, None  # trained tokens: a record may train on none of its tokens
     from zephon.ops.tokenize import Tokenize  # here: the core loads it only for a token mix
 
     last = chain[-1]  # the operator that wrote the counted column last
-    if isinstance(last, Tokenize) and last.output == mix.count_field:
-        return 1 if (last.bos is not None or last.eos is not None) else 0
-    return None
+    if not isinstance(last, Tokenize) or last.output != mix.count_field:
+        return 0, None
+    cut = last.max_tokens if last.overflow == "truncate" else None  # (split: not one-to-one)
+    return (1 if last.bos is not None or last.eos is not None else 0), cut
 
 
 def check_counters(mix: Mix, pipeline: LanePipeline, step: int, lanes: Iterable[tuple[int, LaneState]]) -> None:
@@ -160,30 +161,38 @@ def check_counters(mix: Mix, pipeline: LanePipeline, step: int, lanes: Iterable[
     A lane's counter of branch b sums what each record it consumed from b counted since the
     last weight change; its cursor says how many inputs of b it consumed since step 0. When no
     weight change lies before `step` and every input of b gives exactly one record (one-to-one
-    row operators), a record counting at least one (by samples: exactly one; by tokens: a
-    `Tokenize` that adds BOS/EOS writes the counted column last) bounds the counter from below
-    by the inputs consumed — and by samples it must equal them. Where a bound is not known
-    (filters, split documents, trained tokens, a weight change) nothing is refused.
+    row operators), the inputs consumed bound the counter: by samples it equals them; by tokens
+    it is at least them when the branch's `Tokenize` adds BOS/EOS (writing the counted column
+    last), and at most `max_tokens` times them when that Tokenize truncates. Where no bound is
+    known (filters, split documents, trained tokens, a weight change) nothing is refused.
     """
     if any(s < step for s, _ in mix.schedule):  # the counters restarted at a weight change
         return
-    floors: list[tuple[int, bool] | None] = []  # per branch: (per-input floor, exact)
+    bounds: list[tuple[int, int | None] | None] = []  # per branch: per input (at least, at most)
     for child in mix.children:
         chains = [_chain(pipeline, sid) for sid in sorted(_source_ids(child))]
-        each = {_counts_each(mix, c) for c in chains}
-        one_to_one = all(t.one_to_one for c in chains for t in c)
-        floors.append((1, not mix.by_tokens) if one_to_one and each == {1} else None)
+        each = [_counts_each(mix, c) for c in chains]
+        if not chains or not all(t.one_to_one for c in chains for t in c):
+            bounds.append(None)
+            continue
+        tops = [hi for _, hi in each]
+        bounds.append((min(lo for lo, _ in each), None if None in tops else max(t for t in tops if t is not None)))
+    what = "tokens" if mix.by_tokens else "records"
     for lane, st in lanes:
-        for b, (m, floor) in enumerate(zip(st.mix, floors)):
-            if floor is None:
+        for b, (m, bound) in enumerate(zip(st.mix, bounds)):
+            if bound is None:
                 continue
             consumed = st.cursor[b] + (st.skip[b] > 0)  # a partly used input was consumed
-            what = "records" if not mix.by_tokens else "tokens"
-            if m < consumed or (floor[1] and m != consumed):
-                need = (f"exactly {consumed}: a mix by samples counts one per record" if floor[1] else
-                        f"at least {consumed}: every record of it counts at least one token "
-                        "(its Tokenize adds BOS/EOS)")
-                raise StateError(f"lane {lane} of the state counts {m} {what} of source branch {b} "
-                                 f"('mix') after consuming {consumed} of its inputs ('cursor'); the "
-                                 f"counter must be {need}. The state was edited or its counters come "
-                                 "from another run: restore the checkpoint as save_state wrote it.")
+            lo, hi = consumed * bound[0], None if bound[1] is None else consumed * bound[1]
+            if lo <= m and (hi is None or m <= hi):
+                continue
+            if lo == hi:
+                need = f"exactly {lo}: a mix by samples counts one per record"
+            elif m < lo:
+                need = f"at least {lo}: every record of it counts at least one token (its Tokenize adds BOS/EOS)"
+            else:
+                need = f"at most {hi}: its Tokenize truncates every record to {bound[1]} tokens"
+            raise StateError(f"lane {lane} of the state counts {m} {what} of source branch {b} ('mix') "
+                             f"after consuming {consumed} of its inputs ('cursor'); the counter must be "
+                             f"{need}. The state was edited or its counters come from another run: "
+                             "restore the checkpoint as save_state wrote it.")

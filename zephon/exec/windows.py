@@ -58,6 +58,39 @@ class Window:
     def raise_error(self) -> None:
         raise_captured(self.error, self.traceback)
 
+    # A window travels from a worker process as a pickle: a column of documents (one token
+    # array a row) goes as one array and its lengths, not as a pickled array a row, and comes
+    # back as views of that array (the consumer unpickled thousands of small arrays a window).
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "cols": {k: _Ragged.of(v) or v for k, v in self.cols.items()}}
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        d["cols"] = {k: v.column() if isinstance(v, _Ragged) else v for k, v in d["cols"].items()}
+        self.__dict__.update(d)
+
+
+@dataclass(frozen=True)
+class _Ragged:
+    """An object column of 1-D arrays of one dtype, as their concatenation and lengths."""
+
+    flat: np.ndarray
+    lengths: np.ndarray
+
+    @staticmethod
+    def of(col: np.ndarray) -> _Ragged | None:
+        if col.dtype != object or col.ndim != 1 or not len(col):
+            return None
+        first = col[0]
+        if type(first) is not np.ndarray or first.dtype.kind not in "biuf":
+            return None
+        dt = first.dtype
+        if not all(type(x) is np.ndarray and x.ndim == 1 and x.dtype == dt for x in col):
+            return None
+        return _Ragged(np.concatenate(list(col)), np.fromiter(map(len, col), np.int64, len(col)))
+
+    def column(self) -> np.ndarray:
+        return objects(np.split(self.flat, np.cumsum(self.lengths)[:-1]))
+
 
 @dataclass(frozen=True)
 class WindowTask:

@@ -25,6 +25,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -40,8 +41,14 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _ids(lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
-    return [np.array(x, np.int32) for x in lists]
+#: Missed pieces encoded in one sequence (the chunks go to the tokenizer's threads).
+PIECES_PER_SEQUENCE = 4096
+
+
+@functools.lru_cache(maxsize=4)
+def _thread_pool(threads: int) -> ThreadPoolExecutor:
+    """One pool a process and size (tiktoken releases the GIL while it encodes)."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="zephon-tiktoken")
 
 
 def _flat(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -59,6 +66,7 @@ class HFEncoder:
         self.tokenizer = tokenizer
         self.json = tokenizer.to_str()
         self._pieces: Any = None
+        self._structure: Structure | str | None = None
         self.added = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -85,10 +93,22 @@ class HFEncoder:
             cfg["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
                                     "use_regex": False}
             self._pieces = tokenizers.Tokenizer.from_str(json.dumps(cfg))
-        fast = getattr(self._pieces, "encode_batch_fast", None) or self._pieces.encode_batch
-        return _flat([e.ids for e in fast(list(pieces), add_special_tokens=False)])
+        # chunks of pieces as pre-tokenized sequences: one Encoding a chunk instead of one a
+        # piece (most of the cost of a piece in its own sequence); the BPE never merges across
+        # the words of a pre-tokenized input, and each id's word gives the pieces' lengths
+        chunk = PIECES_PER_SEQUENCE
+        groups = [list(pieces[i:i + chunk]) for i in range(0, len(pieces), chunk)]
+        encs = self._pieces.encode_batch(groups, is_pretokenized=True, add_special_tokens=False)
+        flat, words = _flat([e.ids for e in encs]), _flat([e.word_ids for e in encs])[0]
+        offsets = np.repeat(np.arange(len(groups), dtype=np.int64) * chunk, flat[1])
+        return flat[0], np.bincount(words + offsets, minlength=len(pieces)).astype(np.int64)
 
     def structure(self) -> Structure | str:
+        if self._structure is None:  # asked for by `ineligible` and the cache: parse the JSON once
+            self._structure = self._parse_structure()
+        return self._structure
+
+    def _parse_structure(self) -> Structure | str:
         cfg = json.loads(self.json)
         model = cfg.get("model") or {}
         if model.get("type") != "BPE" or model.get("dropout") is not None:
@@ -132,7 +152,23 @@ class TiktokenEncoder:
         return self._identity
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return _ids(self.encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1))
+        """`encode_ordinary_batch`'s ids, as arrays straight from tiktoken's buffer: its lists of
+        Python ints (and a thread pool made per call) cost 2-3x the encoding itself."""
+        one = self._encode_one
+        if len(texts) < 2:
+            return list(map(one, texts))
+        return list(_thread_pool(os.cpu_count() or 1).map(one, texts))
+
+    def _encode_one(self, text: str) -> np.ndarray:
+        # encode() with no special token allowed nor checked is encode_ordinary (tiktoken's
+        # docstring); lone surrogates are replaced as encode_ordinary does
+        enc = self.encoding
+        try:
+            ids = enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        except UnicodeEncodeError:
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            ids = enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        return ids.astype(np.int32)
 
     def encode_pieces(self, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         return _flat(list(map(self.encoding._encode_single_piece, pieces)))

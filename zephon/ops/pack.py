@@ -200,7 +200,8 @@ class Pack(Accumulator):
             old = list(held.get(k, ())) if held else []
             vals = list(new.get(k, ())) if new else []
             for v, d in zip(vals, docs[h:]):
-                if np.ndim(v) != 1 or len(v) != len(d):
+                if not (type(v) is np.ndarray and v.ndim == 1 and len(v) == len(d)) and (
+                        np.ndim(v) != 1 or len(v) != len(d)):
                     got = (f"a {np.asarray(v).dtype} value of shape {np.shape(v)}" if np.ndim(v) != 1
                            else f"{len(v)} values")
                     raise PlanError(
@@ -245,10 +246,13 @@ class Pack(Accumulator):
              ) -> tuple[list[list[Segment]], int, list[int], Any]:
         L = self.seq_len
         cap = self.max_segments or L
-        bins: list[list[Segment]] = [[tuple(s) for s in b] for b in (carry or {}).get("bins", [])]
+        # segments stay as the carry holds them ([input, start, stop] lists): only read here
+        bins: list[list[Segment]] = [list(b) for b in carry["bins"]] if carry else []
         pending = (carry or {}).get("pending")
         rows: list[list[Segment]] = []
-        used = [sum(e - s for _, s, e in b) for b in bins]
+        used = [sum([x[2] for x in b]) - sum([x[1] for x in b]) for b in bins]
+        capped = self.max_segments is not None
+        first = self.mode == "first_fit"
         q, o = (pending[0], pending[1]) if pending else (h, 0)
         while q < len(docs) and len(rows) < demand:
             n = len(docs[q])
@@ -262,9 +266,9 @@ class Pack(Accumulator):
                 continue
             i, room, top = -1, L - size, -1
             for j, u in enumerate(used):  # first fit: the first open row with room; best fit:
-                if top < u <= room and len(bins[j]) < cap:  # the fullest, the first of equals
-                    i, top = j, u
-                    if self.mode == "first_fit":
+                if top < u <= room and (not capped or len(bins[j]) < cap):  # the fullest, the
+                    i, top = j, u  # first of equals (an uncapped row has < seq_len segments)
+                    if first:
                         break
             if i >= 0:
                 pass

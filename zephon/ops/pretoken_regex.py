@@ -14,7 +14,9 @@ explicit character class built from `unicodedata`:
   tables are). That makes the check free: no separate scan of the text.
 - Three variants of each pattern: ASCII-only classes for ASCII text, Basic Multilingual Plane
   classes (which `re` tests in constant time) for most other text, all planes for the rest. A
-  text is split by the smallest variant covering it: the result is the same, only faster.
+  text is split by the smallest variant covering it: the result is the same, only faster. Sets
+  are boolean numpy masks over the code points, so a process builds a variant in milliseconds
+  (ASCII) to ~0.1 s (all planes), when a text first needs it.
 
 Exactness of the tables against the tokenizer's own engine is a tested fact, not an assumption:
 tests/test_pretokens.py splits every assigned code point in the contexts the regexes care about
@@ -25,11 +27,15 @@ anchors under Oniguruma, …) raise `Unsupported`, naming the construct.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import unicodedata
+from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Literal
+
+import numpy as np
 
 Dialect = Literal["onig", "fancy"]
 WHITE_SPACE = frozenset((*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028,
@@ -59,43 +65,61 @@ class Unsupported(ValueError):
     """The regex uses a construct that is not rewritten (its message names it)."""
 
 
-@cache
-def _categories() -> dict[str, frozenset[int]]:
-    """General category -> its vouched code points (from Python's `unicodedata`)."""
-    out: dict[str, set[int]] = {}
-    for cp in range(sys.maxunicode + 1):
-        cat = unicodedata.category(chr(cp))
-        if cat not in ("Cn", "Cs") and cp not in DISAGREE:
-            out.setdefault(cat, set()).add(cp)
-    return {k: frozenset(v) for k, v in out.items()}
+#: The three variants' limits: a text is split by the first whose classes cover it.
+LIMITS = (0x80, 0x10000, sys.maxunicode + 1)
+Mask = np.ndarray  # bool[limit]: a set of code points below the variant's limit
+#: The general categories a property may name (Cn and Cs hold no vouched code point).
+_CATEGORIES = frozenset(a + b for a, bs in (("L", "ultmo"), ("M", "nce"), ("N", "dlo"), ("P", "cdseifo"),
+                                             ("S", "mcko"), ("Z", "slp"), ("C", "cfo")) for b in bs)
 
 
 @cache
+def _category_codes(limit: int) -> np.ndarray:
+    """Each code point's general category below `limit`, as the two ASCII letters in one uint16
+    (little-endian: 'L' | 'u' << 8). One C-level pass of `unicodedata` over all of them: a worker
+    process builds the tables for a new tokenizer in tens of milliseconds, not a second."""
+    cp = np.arange(limit, dtype=np.uint32)
+    surrogate = (cp >= 0xD800) & (cp < 0xE000)
+    text = np.where(surrogate, 0, cp).astype("<u4").tobytes().decode("utf-32-le")
+    codes = np.frombuffer("".join(map(unicodedata.category, text)).encode("ascii"), "<u2").copy()
+    codes[surrogate] = _code("Cs")
+    codes.flags.writeable = False
+    return codes
+
+
+def _code(category: str) -> int:
+    return ord(category[0]) | ord(category[1]) << 8
+
+
+@cache
+def _vouched(limit: int) -> Mask:
+    """Code points below `limit` that are assigned in Python's tables, not surrogates, not in
+    `DISAGREE`."""
+    codes = _category_codes(limit)
+    out = (codes != _code("Cn")) & (codes != _code("Cs"))
+    out[[c for c in DISAGREE if c < limit]] = False
+    out.flags.writeable = False
+    return out
+
+
 def vouched() -> frozenset[int]:
-    return frozenset().union(*_categories().values())
+    """Every vouched code point (see `_vouched`)."""
+    return frozenset(np.flatnonzero(_vouched(LIMITS[-1])).tolist())
 
 
-def _property(name: str) -> frozenset[int]:
-    cats = _categories()
-    if name in cats or (len(name) == 1 and name in {c[0] for c in cats}):
-        return frozenset().union(*(v for k, v in cats.items() if k.startswith(name)))
+def _property(name: str, limit: int) -> Mask:
+    codes = _category_codes(limit)
+    if name in _CATEGORIES:
+        return (codes == _code(name)) & _vouched(limit)
+    if len(name) == 1 and name in {c[0] for c in _CATEGORIES}:
+        return ((codes & 0xFF) == ord(name)) & _vouched(limit)
     raise Unsupported(f"\\p{{{name}}} (only general categories such as L, Lu, N, M, P are rewritten)")
 
 
-def _class_text(cps: frozenset[int], limit: int) -> str:
-    """An `re` character class (without brackets) of the code points below `limit`."""
-    out: list[str] = []
-    run: list[int] = []
-    for cp in sorted(c for c in cps if c < limit):
-        if run and cp == run[1] + 1:
-            run[1] = cp
-            continue
-        if run:
-            out.append(_range(*run))
-        run = [cp, cp]
-    if run:
-        out.append(_range(*run))
-    return "".join(out)
+def _class_text(mask: Mask) -> str:
+    """An `re` character class (without brackets) of the code points in `mask`."""
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8), prepend=0, append=0))
+    return "".join(_range(int(lo), int(hi) - 1) for lo, hi in zip(edges[::2], edges[1::2]))
 
 
 def _esc(cp: int) -> str:
@@ -107,13 +131,21 @@ def _range(lo: int, hi: int) -> str:
 
 
 class _Parser:
-    """One pass over the pattern: character sets become `frozenset`s, the rest is kept as text."""
+    """One pass over the pattern: character sets become masks of the code points below `limit`
+    (`Mask`), the rest is kept as text. A literal stays a literal even above the limit (`one`)."""
 
-    def __init__(self, pattern: str, dialect: Dialect) -> None:
-        self.p, self.i, self.dialect = pattern, 0, dialect
+    def __init__(self, pattern: str, dialect: Dialect, limit: int) -> None:
+        self.p, self.i, self.dialect, self.limit = pattern, 0, dialect, limit
+        self.vouched = _vouched(limit)
 
-    def escape(self, in_class: bool) -> frozenset[int] | str:
-        """The escape at self.i (after the backslash): a set of code points or literal text."""
+    def _set(self, cps: Iterable[int]) -> Mask:
+        out = np.zeros(self.limit, bool)
+        out[[c for c in cps if c < self.limit]] = True
+        return out
+
+    def escape(self, in_class: bool) -> tuple[Mask, int | None] | str:
+        """The escape at self.i (after the backslash): (a set, its one code point if it is a
+        single character) or literal text."""
         c = self.p[self.i]
         self.i += 1
         if c in "pP":
@@ -121,23 +153,23 @@ class _Parser:
             if not m:
                 raise Unsupported(f"\\{c} without {{Name}}")
             self.i = m.end()
-            s = _property(m.group(1))
-            return vouched() - s if (c == "P") != m.group(0).startswith("{^") else s
+            s = _property(m.group(1), self.limit)
+            return (self.vouched & ~s if (c == "P") != m.group(0).startswith("{^") else s), None
         if c == "s":
-            return WHITE_SPACE & vouched()
+            return self._set(WHITE_SPACE) & self.vouched, None
         if c == "S":
-            return vouched() - WHITE_SPACE
+            return self.vouched & ~self._set(WHITE_SPACE), None
         if c in _SIMPLE_ESCAPES:
-            return frozenset([ord(_SIMPLE_ESCAPES[c])])
+            return self._set([ord(_SIMPLE_ESCAPES[c])]), ord(_SIMPLE_ESCAPES[c])
         if not c.isalnum():
-            return frozenset([ord(c)]) if in_class else "\\" + c
+            return (self._set([ord(c)]), ord(c)) if in_class else "\\" + c
         raise Unsupported(f"\\{c}")
 
-    def bracket(self) -> frozenset[int]:
+    def bracket(self) -> Mask:
         """The set of the bracket expression at self.i (after '[')."""
         negate = self.p.startswith("^", self.i)
         self.i += negate
-        items: set[int] = set()
+        items = np.zeros(self.limit, bool)
         first = True
         while True:
             if self.i >= len(self.p):
@@ -150,33 +182,35 @@ class _Parser:
             if c == "[" or self.p.startswith("&&", self.i):
                 raise Unsupported("nested classes or class intersection")
             self.i += 1
-            item = self.escape(True) if c == "\\" else frozenset([ord(c)])
+            item = self.escape(True) if c == "\\" else (self._set([ord(c)]), ord(c))
             if isinstance(item, str):  # pragma: no cover - escape() returns sets in classes
                 raise Unsupported(item)
-            if len(item) == 1 and self.p.startswith("-", self.i) and not self.p.startswith("-]", self.i):
+            mask, single = item
+            if single is not None and self.p.startswith("-", self.i) and not self.p.startswith("-]", self.i):
                 self.i += 1
                 hi = self.p[self.i]
                 self.i += 1
-                end = self.escape(True) if hi == "\\" else frozenset([ord(hi)])
-                if isinstance(end, str) or len(end) != 1:
+                end = self.escape(True) if hi == "\\" else (self._set([ord(hi)]), ord(hi))
+                if isinstance(end, str) or end[1] is None:
                     raise Unsupported("a range to a class")
-                lo, up = next(iter(item)), next(iter(end))
-                item = frozenset(range(lo, up + 1)) & vouched()
-            items |= item
-        s = frozenset(items)
-        return vouched() - s if negate else s
+                mask = np.zeros(self.limit, bool)
+                mask[single:end[1] + 1] = True
+                mask &= self.vouched
+            items |= mask
+        return self.vouched & ~items if negate else items
 
-    def parse(self) -> list[str | frozenset[int]]:
-        out: list[str | frozenset[int]] = []
+    def parse(self) -> list[str | Mask]:
+        out: list[str | Mask] = []
         while self.i < len(self.p):
             c = self.p[self.i]
             self.i += 1
             if c == "\\":
-                out.append(self.escape(False))
+                e = self.escape(False)
+                out.append(e if isinstance(e, str) else e[0])
             elif c == "[":
                 out.append(self.bracket())
             elif c == ".":
-                out.append(vouched() - {0x0A})
+                out.append(self.vouched & ~self._set([0x0A]))
             elif c in "^$":
                 if self.dialect == "onig":
                     raise Unsupported(f"the anchor {c} (a line anchor under Oniguruma)")
@@ -190,21 +224,23 @@ class _Parser:
 
 
 @cache
-def compile_pattern(pattern: str, dialect: Dialect = "onig") -> tuple[re.Pattern[str], ...]:
-    """`pattern` as `re` patterns with classes limited to ASCII, to the BMP, and to all planes.
+def compile_variant(pattern: str, dialect: Dialect, limit: int) -> re.Pattern[str]:
+    """`pattern` as an `re` pattern whose classes hold only code points below `limit` (an empty
+    class matches nothing). Raises `Unsupported` naming a construct it does not rewrite exactly.
 
-    Raises `Unsupported` naming a construct it does not rewrite exactly.
+    The variants differ only in what their classes hold, so one that compiles means all do.
     """
-    parts = _Parser(pattern, dialect).parse()
-    out = []
-    for limit in (0x80, 0x10000, sys.maxunicode + 1):
-        text = "".join(p if isinstance(p, str) else f"[{_class_text(p, limit)}]" if p and min(p) < limit
-                       else "(?!)" for p in parts)
-        try:
-            out.append(re.compile(text))
-        except re.error as e:
-            raise Unsupported(f"Python's re rejects the rewritten pattern ({e})") from None
-    return tuple(out)
+    parts = _Parser(pattern, dialect, limit).parse()
+    text = "".join(p if isinstance(p, str) else f"[{_class_text(p)}]" if p.any() else "(?!)" for p in parts)
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise Unsupported(f"Python's re rejects the rewritten pattern ({e})") from None
+
+
+def compile_pattern(pattern: str, dialect: Dialect = "onig") -> tuple[re.Pattern[str], ...]:
+    """`pattern` as `re` patterns with classes limited to ASCII, to the BMP, and to all planes."""
+    return tuple(compile_variant(pattern, dialect, limit) for limit in LIMITS)
 
 
 class Splitter:
@@ -214,13 +250,23 @@ class Splitter:
 
     def __init__(self, pattern: str, dialect: Dialect = "onig", unicode: bool = True) -> None:
         self.pattern, self.dialect = pattern, dialect
-        self.ascii, self.bmp, self.full = (p.findall for p in compile_pattern(pattern, dialect))
+        # the ASCII variant now (it raises `Unsupported`, and most text is ASCII); the others when
+        # a text first needs them (tens of milliseconds each, in every process)
+        self.ascii = compile_variant(pattern, dialect, LIMITS[0]).findall
         self.unicode = unicode
+
+    @functools.cached_property
+    def bmp(self) -> Callable[[str], list[str]]:
+        return compile_variant(self.pattern, self.dialect, LIMITS[1]).findall
+
+    @functools.cached_property
+    def full(self) -> Callable[[str], list[str]]:
+        return compile_variant(self.pattern, self.dialect, LIMITS[2]).findall
 
     def split(self, text: str) -> list[str] | None:
         if text.isascii():
             pieces = self.ascii(text)
-            return pieces if sum(map(len, pieces)) == len(text) else self._gaps(text, 0)
+            return pieces if sum(map(len, pieces)) == len(text) else self._gaps(text)
         if not self.unicode:
             return None
         pieces = self.bmp(text)
@@ -229,10 +275,10 @@ class Splitter:
         pieces = self.full(text)
         return pieces if sum(map(len, pieces)) == len(text) else None
 
-    def _gaps(self, text: str, variant: int) -> list[str]:
+    def _gaps(self, text: str) -> list[str]:
         """Split "isolated" keeps what no match covers as pieces of their own (ASCII text: every
         character is vouched, so a gap is the regex's, not a table's)."""
-        pat = compile_pattern(self.pattern, self.dialect)[variant]
+        pat = compile_variant(self.pattern, self.dialect, LIMITS[0])
         out, at = [], 0
         for m in pat.finditer(text):
             if m.start() > at:

@@ -2,11 +2,11 @@
 
 A read window's texts are encoded together, on whichever runner computes the window: through the
 exact pre-token cache (`zephon.ops.pretokens`: each distinct piece of text goes to the tokenizer
-once) where the tokenizer allows it, else with one batched call of the tokenizer itself (HF
-`tokenizers`' `encode_batch` or tiktoken's `encode_ordinary_batch`, `zephon.ops.encoders`). The
-ids are the same either way. The tokenizer is part of the operator's identity (a hash of its JSON;
-a tiktoken encoding's name and a hash of its ranks), so a checkpoint taken with one tokenizer is
-refused under another.
+once) where a `tokenizers` tokenizer allows it, else with one batched call of the tokenizer
+itself (HF `tokenizers`' `encode_batch` or tiktoken's `encode_ordinary_batch`,
+`zephon.ops.encoders`). The ids are the same either way. The tokenizer is part of the operator's
+identity (a hash of its JSON; a tiktoken encoding's name and a hash of its ranks), so a checkpoint
+taken with one tokenizer is refused under another.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ class Tokenize(Transform):
         to column `truncated`). None: no limit (packing splits long documents itself).
       keep_text: keep the text column next to the tokens.
       cache: pieces kept by the exact pre-token cache (`zephon.ops.pretokens`), which encodes
-        regex-split byte-level BPE (GPT-2, cl100k, o200k, Llama 3, Qwen2; HF or tiktoken) faster
-        than the tokenizer's batched encode with the same ids; 0 turns it off. Tokenizers it
-        cannot serve exactly are used as they are (`pretokens.ineligible` says why).
+        regex-split byte-level BPE `tokenizers` (GPT-2, cl100k, o200k, Llama 3, Qwen2 structures)
+        faster than their batched encode with the same ids; 0 turns it off. Tokenizers it
+        cannot serve exactly are used as they are (`pretokens.ineligible` says why), and so are
+        tiktoken encodings, whose own batched encode is faster than the cache.
     """
 
     tokenizer: Any
@@ -94,7 +95,9 @@ class Tokenize(Transform):
         """The pre-token cache, if it is on and can serve this tokenizer exactly."""
         enc = self._encoder()
         if self._cache is None and self.cache and enc is not None:  # type: ignore[attr-defined]
-            why = ineligible(enc)
+            # tiktoken's own batched encode (its Rust regex and BPE) outruns the cache, warm or
+            # cold, on real text (benchmarks/tokenize_real.py): it is used as it is
+            why = "tiktoken encodes faster than the cache" if enc.kind == "tiktoken" else ineligible(enc)
             if why is not None:
                 log.debug("Tokenize: no pre-token cache for this tokenizer: %s", why)
             object.__setattr__(self, "_cache", False if why else PretokenCache(enc, self.cache))

@@ -15,6 +15,8 @@ terminate the workers and release every slot.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
 import itertools
 import logging
 import multiprocessing as mp
@@ -22,6 +24,7 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import socket
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -71,6 +74,64 @@ def _close_all() -> None:
         runner.close()
 
 
+@contextlib.contextmanager
+def _main_not_imported() -> Iterator[None]:
+    """Workers started inside this block do not import the main module.
+
+    Spawned and forkserver children re-import the parent's main script (all it imports with it)
+    before their first item, only so that functions defined there can be unpickled: seconds a
+    worker where a script imports a framework, on every start. (Python 3.11's forkserver cannot
+    preload it once: its preload looks the script up under a key the preparation data never
+    has.) The runner's function is pickled before its workers start, so when it names nothing
+    in `__main__` the import is dropped from what the child prepares; a later function that does
+    name something there restarts the workers with it.
+    """
+    from multiprocessing import spawn
+
+    real = spawn.get_preparation_data
+
+    def prepare(name: str) -> dict[str, Any]:
+        data = real(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    with _PREPARE_LOCK:
+        spawn.get_preparation_data = prepare
+        try:
+            yield
+        finally:
+            spawn.get_preparation_data = real
+
+
+_PREPARE_LOCK = threading.Lock()
+
+
+class _Pickler(pickle.Pickler):
+    """Notes the modules the pickled objects' classes and functions come from."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.modules: set[str] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        try:
+            module = getattr(obj, "__module__", None)
+        except Exception:
+            module = "__main__"  # unknown: assume the worst (the workers import the script)
+        if isinstance(module, str):
+            self.modules.add(module)
+        return NotImplemented
+
+
+def _dumps(fn: Any) -> tuple[bytes, frozenset[str]]:
+    """(fn's pickle, the modules it names: `__main__` if something defined in the script)."""
+    buf = io.BytesIO()
+    p = _Pickler(buf, protocol=5)
+    p.dump(fn)
+    return buf.getvalue(), frozenset(p.modules)
+
+
 def _default_start_method() -> str:
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
@@ -109,6 +170,8 @@ class Processes:
         self._fn_blob: bytes | None = None
         self._next_worker = 0
         self._generation = 0
+        self._with_main = False  # whether the running workers imported the main module
+        self._fn_modules: frozenset[str] = frozenset()  # the modules the function's pickle names
         _LIVE.add(self)
 
     def __repr__(self) -> str:
@@ -134,18 +197,26 @@ class Processes:
         """Names of the shared-memory segments currently allocated (for tests and debugging)."""
         return self._pool.names()
 
-    def _start(self) -> None:
+    def _start(self, modules: frozenset[str]) -> None:
         ctx: Any = mp.get_context(self.start_method)  # the stubs' BaseContext has no Process
+        with_main = "__main__" in modules
         if self.start_method == "forkserver":
-            ctx.set_forkserver_preload(["numpy", "zephon.runners"])
-        for i in range(self.workers):
-            parent, child = ctx.Pipe(duplex=True)  # a socketpair: it can carry descriptors
-            proc = ctx.Process(target=worker_main, args=(child, i, os.getpid()), daemon=True,
-                               name=f"zephon-worker-{i}")
-            proc.start()
-            child.close()
-            self._workers.append(_Worker(proc, parent, fd_socket(parent)))
-        log.debug("%r started workers %s", self, self.pids)
+            # the modules the function needs are imported once, by the forkserver, when this
+            # process first starts it (each worker importing them took 0.15-0.25 s); a module
+            # that fails to import there is imported by the workers as before
+            named = sorted(m for m in modules if m != "__main__" and m.split(".")[0] != "builtins")
+            ctx.set_forkserver_preload(list(dict.fromkeys(["numpy", "zephon.runners", *named])))
+        share = max(1, available_cores() // self.workers)  # each worker's native threads
+        with contextlib.nullcontext() if with_main else _main_not_imported():
+            for i in range(self.workers):
+                parent, child = ctx.Pipe(duplex=True)  # a socketpair: it can carry descriptors
+                proc = ctx.Process(target=worker_main, args=(child, i, os.getpid(), share), daemon=True,
+                                   name=f"zephon-worker-{i}")
+                proc.start()
+                child.close()
+                self._workers.append(_Worker(proc, parent, fd_socket(parent)))
+        self._with_main = with_main
+        log.debug("%r started workers %s (main module imported: %s)", self, self.pids, with_main)
 
     def close(self) -> None:
         """Stops the workers (stop message, then SIGTERM, then SIGKILL) and releases every slot
@@ -190,13 +261,14 @@ class Processes:
         `WorkerError` if it cannot be), once per function; workers start on first iteration."""
         if fn is not self._fn:
             try:
-                blob = pickle.dumps(fn, protocol=5)
+                blob, modules = _dumps(fn)
             except Exception as e:
                 raise errors.function_unpicklable(e) from e
         else:
-            blob = self._fn_blob  # type: ignore[assignment]
+            blob, modules = self._fn_blob, self._fn_modules  # type: ignore[assignment]
         self._install(fn, blob)
-        return self._results(iter(items), fn, blob)
+        self._fn_modules = modules
+        return self._results(iter(items), fn, blob, modules)
 
     def _install(self, fn: Callable[[Any], Any], blob: bytes) -> None:
         if fn is not self._fn:
@@ -204,11 +276,14 @@ class Processes:
             for w in self._workers:
                 w.has_fn = False
 
-    def _results(self, items: Iterator[Any], fn: Callable[[Any], Any], blob: bytes) -> Iterator[Any]:
+    def _results(self, items: Iterator[Any], fn: Callable[[Any], Any], blob: bytes,
+                 modules: frozenset[str]) -> Iterator[Any]:
         """One imap at a time: starting another abandons this one (its in-flight items are
         drained and discarded), and resuming an abandoned one raises."""
+        if self._workers and "__main__" in modules and not self._with_main:
+            self.close()  # workers started without the main module cannot load this function
         if not self._workers:
-            self._start()
+            self._start(modules)
         self._drain()
         self._install(fn, blob)  # another imap (or a close) may have come in between
         self._generation += 1
