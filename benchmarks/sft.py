@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import sys
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ flags.FLAGS.mark_as_parsed()  # grain reads absl flags; no absl main() runs here
 
 import grain  # noqa: E402
 import numpy as np  # noqa: E402
+from pack import measure_stream  # noqa: E402  (benchmarks/ is sys.path[0] when this script runs)
 
 from zephon import Loader, Source  # noqa: E402
 from zephon.columns import objects  # noqa: E402
@@ -149,26 +149,17 @@ def count(batch: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def measure(batches: Iterable[Any], warmup_s: float, seconds: float) -> dict[str, float]:
-    it: Iterator[Any] = iter(batches)
-    try:
-        t0 = time.perf_counter()
-        next(it)
-        first = time.perf_counter() - t0
-        t = time.perf_counter()
-        while time.perf_counter() - t < warmup_s:
-            next(it)
-        tokens = positions = trained = n = 0
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            a, b, c = count(next(it))
-            tokens, positions, trained, n = tokens + a, positions + b, trained + c, n + 1
-        elapsed = time.perf_counter() - start
-    finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
-    return {"tokens_per_s": tokens / elapsed, "padding": 1 - tokens / max(positions, 1),
-            "trained_fraction": trained / max(tokens, 1), "batches": n, "first_batch_s": first}
+    """`pack.measure_stream`'s steady-state rate, plus the trained fraction of the tokens."""
+    trained = 0
+
+    def tokens_and_positions(batch: dict[str, Any]) -> tuple[int, int]:
+        nonlocal trained
+        tokens, positions, got = count(batch)
+        trained += got
+        return tokens, positions
+
+    m = measure_stream(batches, warmup_s=warmup_s, seconds=seconds, count=tokens_and_positions)
+    return {**m, "trained_fraction": trained / max(m["tokens"], 1)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
