@@ -24,10 +24,11 @@ import numpy as np
 from zephon.errors import PlanError, StateError
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.state import LaneState
+from zephon.exec.steps import leaf_sources
 from zephon.exec.windows import Window
 from zephon.ops.base import Transform
 from zephon.ops.mix import PerSource
-from zephon.plan import Mix, Node, Source
+from zephon.plan import Mix
 from zephon.sources.base import Columns
 
 #: `(branch, count) -> the lane's next `count` unused rows of that branch (fewer if it ended)`
@@ -120,18 +121,6 @@ def _scales(weights: Sequence[float]) -> tuple[int | None, ...]:
     return tuple(top // i if i > 0 else None for i in ints)
 
 
-def _source_ids(node: Node) -> set[int]:
-    """The `Source` ids under a plan node."""
-    if isinstance(node, Source):
-        return {node.id}
-    out: set[int] = set()
-    for v in vars(node).values():  # a node's fields: its child or children among them
-        for c in v if isinstance(v, tuple) else (v,):
-            if isinstance(c, Node):
-                out |= _source_ids(c)
-    return out
-
-
 def _chain(pipeline: LanePipeline, sid: int) -> list[Transform]:
     """The row operators the records of source `sid` go through, in order."""
     out: list[Transform] = []
@@ -170,7 +159,7 @@ def check_counters(mix: Mix, pipeline: LanePipeline, step: int, lanes: Iterable[
         return
     bounds: list[tuple[int, int | None] | None] = []  # per branch: per input (at least, at most)
     for child in mix.children:
-        chains = [_chain(pipeline, sid) for sid in sorted(_source_ids(child))]
+        chains = [_chain(pipeline, sid) for sid in sorted({s.id for s in leaf_sources(child)})]
         each = [_counts_each(mix, c) for c in chains]
         if not chains or not all(t.one_to_one for c in chains for t in c):
             bounds.append(None)
