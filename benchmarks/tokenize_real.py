@@ -13,8 +13,10 @@ test data), three tokenizers, in one run:
 Rows (tokens/s). Pipelines run one finite epoch, as training reads a corpus: no document twice,
 so the cache starts cold and earns its hits from the words real text repeats, not from a
 repeated stream. Rate = all non-padding tokens / the epoch's whole time, from creating the
-iterator (worker start-up included: the loader reads ahead up to 16k rows, so a clock started at
-the first batch would miss most of the tokenizing of a small corpus):
+iterator (worker start-up included: the loader reads ahead, so a clock started at the first
+batch would miss much of the tokenizing), best of 2 passes for every row. The corpora are 12 MB
+each (all of the standard library's sources): on 4 MB an epoch lasted under a second, so worker
+start-up and the first cold windows weighed on every row far more than in a training epoch.
 
   encode_batch    HF `Tokenizer.encode_batch` over the texts in chunks of 1024 (Rust threads on
                   both cores), best of 2 passes: the reference of the issue's ratios
@@ -31,8 +33,8 @@ the first batch would miss most of the tokenizing of a small corpus):
 Before timing, every tokenizer's cache ids are checked against its own batched encode on the
 whole corpus (0 mismatches or the run stops).
 
-    python benchmarks/tokenize_real.py            # ~10 min on 2 idle cores
-    python benchmarks/tokenize_real.py --quick    # 1 MB corpora instead of 4 MB
+    python benchmarks/tokenize_real.py            # ~15 min on 2 idle cores
+    python benchmarks/tokenize_real.py --quick    # 1 MB corpora instead of 12 MB
 
 Writes benchmarks/results/tokenize_real.json.
 """
@@ -110,18 +112,22 @@ def zephon_stream(texts: list[str], tokenizer: Any, runner: str, eos: int) -> An
         loader.close()
 
 
-def epoch_rate(batches: Any) -> float:
-    """Non-padding tokens/s of one whole pass."""
-    start, tokens = time.perf_counter(), 0
-    it = iter(batches)
-    try:
-        for b in it:
-            tokens += pack.count_tokens(b)[0]
-        return tokens / (time.perf_counter() - start)
-    finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
+def epoch_rate(make: Any, passes: int = 2) -> float:
+    """Non-padding tokens/s of one whole pass of `make()`'s batches, best of `passes` (as for
+    encode_batch: the first pass of a process also pays one-off start-up, e.g. a forkserver)."""
+    best = 0.0
+    for _ in range(passes):
+        start, tokens = time.perf_counter(), 0
+        it = iter(make())
+        try:
+            for b in it:
+                tokens += pack.count_tokens(b)[0]
+            best = max(best, tokens / (time.perf_counter() - start))
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+    return best
 
 
 def encode_batch_rate(encode: Any, texts: list[str], chunk: int = 1024) -> float:
@@ -202,7 +208,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    size = 1_000_000 if args.quick else 4_000_000
+    size = 1_000_000 if args.quick else 12_000_000
     corpora = {"English": realtext.english(size), "non-English": realtext.non_english(size)}
     toks = tokenizers_under_test(*corpora.values())
     rows = []
@@ -227,9 +233,9 @@ def main() -> None:
                                                     texts)
             eos = 2 if "tiktoken" not in t else t["tiktoken"].eot_token
             grain_tok = t.get("tiktoken", hf)
-            row["grain"] = epoch_rate(grain_best(texts, grain_tok))
+            row["grain"] = epoch_rate(lambda: grain_best(texts, grain_tok))
             for runner in ("inline", "processes:2"):
-                row[f"zephon {runner}"] = epoch_rate(zephon_stream(texts, t["zephon"], runner, eos))
+                row[f"zephon {runner}"] = epoch_rate(lambda: zephon_stream(texts, t["zephon"], runner, eos))
             best = max(row["zephon inline"], row["zephon processes:2"])
             row["zephon / encode_batch"] = round(best / row["encode_batch"], 2)
             row["zephon / grain"] = round(best / row["grain"], 2)

@@ -340,3 +340,40 @@ def test_a_finite_plan_ends_with_every_token_packed(corpora, mode):
     docs = doc_tokens(tok, prose[:30])
     check_exactly_once(collect(batches), docs)
     assert sum(int((b.data["segment_ids"] > 0).sum()) for b in batches) == sum(map(len, docs))
+
+
+class _CountedPack(Pack):
+    """Pack taken through the engine's fixed-count path (as an accumulator that does not stream)."""
+
+    streams = False
+
+
+@pytest.mark.parametrize("mode", ["concat", "best_fit"])
+@pytest.mark.parametrize("finite", [False, True])
+def test_pack_taking_the_rows_that_arrived_emits_what_fixed_counts_emit(corpora, mode, finite):
+    """Pack streams: fed whatever windows have arrived, it emits the rows the engine's fixed
+    candidate counts give, at every degree, with threads reading ahead, to the end of the data."""
+    prose, _, tok = corpora
+    src = ArraySource({"text": objects(prose[:60])})
+    p = (Source(60).shuffle(3).lanes(4).batch(8) if finite else plan_one(60))
+
+    def batches(pack_cls, world, runner=None):
+        out = []
+        for r in range(world):
+            loader = Loader(p, src, [Tokenize(tok, eos=EOS_ID), pack_cls(128, mode)], rank=r, world=world,
+                            runner=runner)
+            out.append([b.data for b in (loader if finite else (next(loader) for _ in range(30)))])
+            loader.close()
+        return out
+
+    assert Pack.streams and not _CountedPack.streams
+    for world in (1, 2):
+        want = batches(_CountedPack, world)
+        for runner in (None, threads(2)):
+            got = batches(Pack, world, runner)
+            assert [len(g) for g in got] == [len(w) for w in want]
+            for g, w in zip(got, want):
+                for gb, wb in zip(g, w):
+                    assert gb.keys() == wb.keys()
+                    for k in wb:
+                        np.testing.assert_array_equal(gb[k], wb[k], err_msg=f"{mode} world {world} {k}")

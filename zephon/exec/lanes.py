@@ -85,9 +85,9 @@ class LaneEngine(PerLaneAssembly):
         size = window_size(read_ahead, len(owned), largest)
         first = plan.per_lane_at(step)
         if self.schedule is not None or pipeline.acc is not None:
-            # documents (tokenize, pack): ~512 inputs a window keep encode_batch efficient while
-            # several windows are in flight on the runner
-            size = max(8, min(size, 512 // max(1, len(owned))))
+            # documents (tokenize, pack): ~128 inputs a window keep encode_batch efficient and
+            # spread across processes' windows, while several windows are in flight on the runner
+            size = max(8, min(size, 128 // max(1, len(owned))))
             first = 2
         self.limits = tuple(lanes.lane_limits(owned, b, plan.pad) for b in range(self.nb))
         self.task = WindowTask(lanes, sources, pipeline.rows, owned, seed, starts, size, first,
@@ -195,6 +195,29 @@ class LaneEngine(PerLaneAssembly):
             out += [(win, r) for r in range(lo, min(hi, lo + count - len(out)))]
             wi += 1
         return out
+
+    def _arrived(self, b: int, k: int, least: int, most: int) -> tuple[list[tuple[Window, int]], bool]:
+        """Lane k's next unused rows of branch b in windows that have arrived, up to `most`;
+        windows are pulled only while there are fewer than `least`. Also whether the lane's
+        inputs end with these rows."""
+        out: list[tuple[Window, int]] = []
+        wi = 0
+        while len(out) < most:
+            if wi == len(self.pending[b]):
+                if self._ended[b][k]:
+                    return out, True
+                if len(out) >= least:
+                    break
+                if self.feed is not None:
+                    self.feed.ask(b, k)
+                self._pull(b)
+            win = self.pending[b][wi]
+            win.raise_error()
+            self._ended[b] |= win.ended
+            lo, hi = int(win.used[k]), int(win.bounds[k + 1])
+            out += [(win, r) for r in range(lo, min(hi, lo + most - len(out)))]
+            wi += 1
+        return out, False
 
     def _use(self, b: int, k: int, count: int) -> None:
         for win in self.pending[b]:

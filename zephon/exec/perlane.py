@@ -84,8 +84,17 @@ class PerLaneAssembly:
         prov: list[list[Segment]] = []
         produced = 0
         guess = max(4, per * 4)
+        # a streaming accumulator takes the rows that have arrived (at least `least`, pulling
+        # windows only for those): the first batch needs the first windows, not `guess` rows
+        streams = acc is not None and acc.streams and self.schedule is None
+        least = 1
         while produced < per:
-            rows, branches = self._candidates(k, guess, mix)
+            if streams:
+                rows, ended = self._arrived(0, k, least, max(guess, least))
+                branches = [0] * len(rows)
+            else:
+                rows, branches = self._candidates(k, guess, mix)
+                ended = len(rows) < guess  # fewer candidates than asked for: the inputs end here
             new = _gather(rows)
             new_prov = [(b, int(w.index[r]), int(w.sub[r]), int(w.refs.source[r]),
                          int(w.refs.record[r]), int(w.refs.epoch[r])) for (w, r), b in zip(rows, branches)]
@@ -97,8 +106,7 @@ class PerLaneAssembly:
                 produced_now = used
             else:
                 queue = concat_cols([held_cols, new]) if held_cols else new
-                # fewer candidates than asked for: the lane's inputs end with these
-                call = acc.finish if len(rows) < guess else acc.step
+                call = acc.finish if ended else acc.step
                 res = call(carry, held_cols if held_cols else take_rows(new, np.arange(0)), new, demand)
                 used = int(res.consumed)
                 if not 0 <= used <= len(rows):
@@ -133,9 +141,12 @@ class PerLaneAssembly:
                 prov += segs
             produced += produced_now
             if produced < per:
-                if used == 0 and len(rows) < guess:
+                if used == 0 and ended:
                     break  # the lane's inputs ended: the rest of its rows are padding
-                guess *= 2
+                if streams:  # next time, at least one input it has not been offered yet
+                    least = len(rows) - used + 1
+                else:
+                    guess *= 2
         if acc is not None:
             self._held[k] = (held_cols, held_prov)
         cur, skp = canonical(np.array(cursor, np.int64), np.array(skip, np.int64), self.pipeline.expands)

@@ -286,6 +286,13 @@ class Accumulator(Operator):
                                    consumed=used + len(keep), hold=keep)
     """
 
+    #: True when the rows emitted do not depend on how the lane's inputs are cut into calls
+    #: (`new` one input at a time or a hundred give the same rows): the engine may then call it
+    #: with the inputs that have already arrived instead of waiting for a fixed number, so the
+    #: first batch comes after the first windows, not after enough windows for that number.
+    #: Leave it False unless that holds: the engine's fixed numbers keep the rest deterministic.
+    streams: bool = False
+
     def step(self, carry: JSON, held: Columns, new: Columns, demand: int) -> Step:
         raise NotImplementedError(f"{type(self).__name__} subclasses Accumulator but does not "
                                   "implement step(carry, held, new, demand) -> Step")

@@ -63,6 +63,8 @@ class Pack(Accumulator):
       drop: columns of the records not to emit (per-record values packing cannot place in rows).
     """
 
+    streams = True  # each mode places documents one at a time, however they are cut into calls
+
     seq_len: int
     mode: Mode = "concat"
     field: str = "tokens"

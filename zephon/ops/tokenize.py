@@ -60,7 +60,7 @@ class Tokenize(Transform):
     max_tokens: int | None = None
     overflow: Literal["split", "truncate"] = "split"
     keep_text: bool = False
-    cache: int = 1 << 17
+    cache: int = 1 << 18
     name: str | None = None
     version: int = 1
     params: Mapping[str, Any] = dc_field(default_factory=dict)
