@@ -24,7 +24,7 @@ start-up and the first cold windows weighed on every row far more than in a trai
   grain           Grain's best configuration on this work (issue 25): per-document encode
                   (tiktoken's for cl100k_base, the faster), ConcatThenSplitIterDataset(2048),
                   batch 32, mp_prefetch with 2 workers
-  zephon inline / processes:2
+  zephon inline / threads:2 / processes:2
                   `Source(n).shuffle(0).lanes(8).batch(32)`, `Tokenize(tok, eos)` (the
                   exact pre-token cache for the two trained BPEs; for cl100k_base the
                   tiktoken backend, whose own batched encode outruns the cache) then
@@ -47,6 +47,7 @@ import os
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,7 @@ from zephon.ops.pretoken_regex import REGEXES  # noqa: E402
 from zephon.ops.pretokens import PretokenCache  # noqa: E402
 
 SEQ_LEN, BATCH = 2048, 32
+RUNNERS = ("inline", "threads:2", "processes:2")  # the ratios take the best of them
 
 
 class EncodeDoc(grain.transforms.Map):
@@ -233,15 +235,14 @@ def main() -> None:
                                                     texts)
             eos = 2 if "tiktoken" not in t else t["tiktoken"].eot_token
             grain_tok = t.get("tiktoken", hf)
-            row["grain"] = epoch_rate(lambda: grain_best(texts, grain_tok))
-            for runner in ("inline", "processes:2"):
-                row[f"zephon {runner}"] = epoch_rate(lambda: zephon_stream(texts, t["zephon"], runner, eos))
-            best = max(row["zephon inline"], row["zephon processes:2"])
+            row["grain"] = epoch_rate(partial(grain_best, texts, grain_tok))
+            for runner in RUNNERS:
+                row[f"zephon {runner}"] = epoch_rate(partial(zephon_stream, texts, t["zephon"], runner, eos))
+            best = max(row[f"zephon {runner}"] for runner in RUNNERS)
             row["zephon / encode_batch"] = round(best / row["encode_batch"], 2)
             row["zephon / grain"] = round(best / row["grain"], 2)
             print("  " + "  ".join(f"{k} {v / 1e6:.2f}M" for k, v in row.items()
-                                   if k in ("encode_batch", "tiktoken", "grain", "zephon inline",
-                                            "zephon processes:2"))
+                                   if k in ("encode_batch", "tiktoken", "grain", *(f"zephon {r}" for r in RUNNERS)))
                   + f"  -> {row['zephon / encode_batch']}x encode_batch, {row['zephon / grain']}x grain"
                   + f"  (load {row['load_1min']:.1f})")
             rows.append(row)

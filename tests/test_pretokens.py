@@ -9,6 +9,7 @@ serve exactly go to the tokenizer, and the tests check that the cache really ser
 import pickle
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -269,21 +270,71 @@ def test_pickled_without_its_contents(tok, texts):
     assert cache.pieces == 0 and not cache._index
 
 
-def test_threads_share_one_cache_exactly(tok, texts):
-    cache = PretokenCache(tok, 1 << 17)
-    batches = [texts[i::4] for i in range(4)] + [random_ascii(300, s) for s in range(4)]
-    results: dict[int, list] = {}
+class _SlowEncoder:
+    """The cache's encoder, slowed at random (and failing once when asked): calls that reserved
+    rows finish out of order, as under the threads runner with a busy tokenizer."""
+
+    def __init__(self, enc, fail_on=None):
+        self.enc, self.fail_on, self.calls = enc, fail_on, 0
+        self.rng = random.Random(0)
+        self.lock = threading.Lock()
+
+    def encode_pieces(self, pieces):
+        with self.lock:
+            self.calls += 1
+            call, delay = self.calls, self.rng.random() * 0.01
+        time.sleep(delay)
+        if call == self.fail_on:
+            raise RuntimeError("the tokenizer failed")
+        return self.enc.encode_pieces(pieces)
+
+
+def _run_threads(cache, batches):
+    results, errors = {}, {}
 
     def work(i):
-        results[i] = cache.encode(batches[i])
+        try:
+            for j in range(0, len(batches[i]), 10):
+                results.setdefault(i, []).extend(cache.encode(batches[i][j:j + 10]))
+        except RuntimeError as e:
+            errors[i] = e
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(batches))]
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(batches))]
     for th in threads:
         th.start()
     for th in threads:
-        th.join()
+        th.join(timeout=60)
+        assert not th.is_alive(), "a thread waits forever on rows nobody fills"
+    return results, errors
+
+
+@pytest.mark.parametrize("capacity", [40, 1 << 17])
+def test_threads_share_one_cache_exactly(tok, texts, capacity):
+    """Misses are encoded outside the lock; rows filled out of order and start-overs at a small
+    capacity still give every thread the tokenizer's ids."""
+    cache = PretokenCache(tok, capacity)
+    cache.enc = _SlowEncoder(cache.enc)
+    batches = [texts[i::4] for i in range(4)] + [random_ascii(100, s) for s in range(4)]
+    results, errors = _run_threads(cache, batches)
+    assert not errors
     for i, batch in enumerate(batches):
         assert_same(results[i], reference(tok, batch))
+    assert len(cache._index) <= capacity and len(cache._start) == len(cache._index) == cache._committed
+    assert len(cache._ids) == int(cache._len.sum())
+
+
+def test_a_failed_encode_fails_its_call_only(tok, texts):
+    """A tokenizer error reaches its caller; the calls waiting for its rows look up again rather
+    than wait forever, and get exact ids."""
+    cache = PretokenCache(tok, 1 << 17)
+    cache.enc = _SlowEncoder(cache.enc, fail_on=3)
+    batches = [texts[i::4] for i in range(4)]
+    results, errors = _run_threads(cache, batches)
+    assert len(errors) == 1 and "the tokenizer failed" in str(next(iter(errors.values())))
+    for i, batch in enumerate(batches):
+        if i not in errors:
+            assert_same(results[i], reference(tok, batch))
+    assert_same(cache.encode(texts[:50]), reference(tok, texts[:50]))
 
 
 def test_same_packed_stream_and_same_checkpoint_with_or_without_it(tok, texts):

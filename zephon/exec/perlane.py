@@ -50,6 +50,9 @@ class PerLaneAssembly:
     def _use(self, b: int, k: int, count: int) -> None:
         raise NotImplementedError  # the engine's
 
+    def _arrived(self, b: int, k: int, least: int, most: int) -> tuple[list[tuple[Window, int]], bool]:
+        raise NotImplementedError  # the engine's
+
     def _first_skip(self, k: int) -> None:
         """A restored lane drops the outputs of its first input it had used already."""
         st = self.states[k]

@@ -105,14 +105,20 @@ class PretokenCache:
         self.splitter = Splitter(pattern, dialect, self.unicode)  # type: ignore[arg-type]
         added = sorted(self.enc.added, key=len, reverse=True)
         self._added = re.compile("|".join(map(re.escape, added))) if added else None
-        self._lock = threading.Lock()
-        self._reset()
+        self._done = threading.Condition()  # guards the index and arrays; notified on appends
+        self._generation = 0
+        with self._done:
+            self._reset()
         self.pieces = self.misses = self.served = 0  # pieces looked up, missed; documents served
         self.warm_pieces = self.warm_misses = 0  # the same, counted once the cache has warmed up
         self.active = True
 
     def _reset(self) -> None:
+        """Empty the cache; calls in flight on the old one look up again (`_generation`)."""
+        self._generation += 1
+        self._done.notify_all()
         self._index = _Index()
+        self._committed = 0  # rows filled: the index may have reserved more, being encoded
         self._ids = np.zeros(0, np.int32)
         self._start = np.zeros(0, np.int64)
         self._len = np.zeros(0, np.int64)
@@ -187,32 +193,70 @@ class PretokenCache:
         """Each piece's index into arrays (ids, start, length) that hold them all, new ones
         encoded first: one C-level dict lookup a piece, Python only for the misses.
 
-        The cache's own arrays when it has room for the new pieces; else the cache starts over
-        with as many of this window's pieces as fit, and the rest are held for this call only.
-        Arrays are replaced, never changed in place, so a caller can read them after the lock is
-        released.
+        Under the threads runner the misses are encoded outside the lock (the tokenizer releases
+        the GIL): a call reserves rows for its new pieces, encodes them, then appends them in row
+        order, waiting for calls that reserved rows before it; a call whose pieces are in rows
+        still being encoded waits for those. A failed encode or a start-over (`_generation`)
+        sends the calls in flight back to look up again. Arrays are replaced, never changed in
+        place, so a caller can read them after the lock is released.
         """
-        with self._lock:
-            index = self._index
-            index.new = []
-            idx = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
-            self._count(len(pieces), len(index.new))
-            if not index.new:
-                return idx, self._ids, self._start, self._len
-            if len(index) > self.capacity:  # start over, with this window's pieces only
-                self._reset()
-                index = self._index
+        while True:
+            with self._done:
+                index, generation = self._index, self._generation
                 index.new = []
                 idx = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
-            missing = index.new
-            flat, lens = self.enc.encode_pieces(missing)
-            n = len(self._ids)
-            ids = np.concatenate([self._ids, flat])
-            start = np.concatenate([self._start, n + np.cumsum(lens) - lens])
-            length = np.concatenate([self._len, lens])
-            keep = len(start) - max(0, len(index) - self.capacity)
-            for p in missing[len(missing) - (len(start) - keep):]:  # over capacity within a window
-                del index[p]
-            self._ids, self._start, self._len = ids[:int(start[keep - 1] + length[keep - 1]) if keep else 0], \
-                start[:keep], length[:keep]
-            return idx, ids, start, length
+                missing = index.new
+                self._count(len(pieces), len(missing))
+                if len(index) > self.capacity:
+                    return self._start_over(pieces)
+                first = len(index) - len(missing)  # this call's rows: first, first + 1, ...
+                if not missing:
+                    top = int(idx.max()) + 1 if len(idx) else 0
+                    if self._wait(generation, top):
+                        return idx, self._ids, self._start, self._len
+                    continue
+            try:
+                flat, lens = self.enc.encode_pieces(missing)
+            except BaseException:
+                with self._done:  # rows reserved, never filled: nobody may wait for them
+                    if generation == self._generation:
+                        self._reset()
+                raise
+            with self._done:
+                if not self._wait(generation, first):  # rows before this call's are in
+                    continue
+                n = len(self._ids)
+                self._ids = np.concatenate([self._ids, flat])
+                self._start = np.concatenate([self._start, n + np.cumsum(lens) - lens])
+                self._len = np.concatenate([self._len, lens])
+                self._committed = first + len(missing)
+                self._done.notify_all()
+                return idx, self._ids, self._start, self._len
+
+    def _wait(self, generation: int, rows: int) -> bool:
+        """Wait (lock held) until the first `rows` rows are filled; False if the cache started
+        over meanwhile."""
+        self._done.wait_for(lambda: generation != self._generation or self._committed >= rows)
+        return generation == self._generation
+
+    def _start_over(self, pieces: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The cache is full (lock held): start over with as many of this call's pieces as fit,
+        holding the rest for this call only. Rare, so it encodes under the lock."""
+        self._reset()
+        index = self._index
+        index.new = []
+        idx = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
+        missing = index.new
+        try:
+            ids, length = self.enc.encode_pieces(missing)
+        except BaseException:
+            self._reset()
+            raise
+        start = np.cumsum(length) - length
+        keep = min(len(missing), self.capacity)
+        for p in missing[keep:]:  # over capacity within one call
+            del index[p]
+        self._ids = ids[:int(start[keep - 1] + length[keep - 1]) if keep else 0]
+        self._start, self._len = start[:keep], length[:keep]
+        self._committed = keep
+        return idx, ids, start, length
