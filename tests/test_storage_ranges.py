@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from zephon.sources import write_array_record
+from zephon.sources import array_record_remote, write_array_record
 from zephon.sources.array_record_remote import (
     RangedArrayRecord,
     _proto_fields,
@@ -89,6 +89,22 @@ def test_footer_entries_parse_like_the_entry_by_entry_parser():
     odd = [_varint(8) + _varint(5), _varint(2 << 3 | 2) + _varint(2) + b"ab"]  # a bytes field
     begins, counts = index_entries(b"".join(odd), np.array([len(e) for e in odd]))
     assert begins.tolist() == [5, 0] and counts.tolist() == [0, 0]
+
+
+def test_footer_entries_parse_across_blocks(monkeypatch):
+    """A footer is parsed a block of entries at a time: block edges, a block that needs the
+    entry-by-entry parser (a bytes field) beside vectorised ones, and an empty footer."""
+    monkeypatch.setattr(array_record_remote, "ENTRY_BLOCK", 64)
+    rng = np.random.default_rng(2)
+    offs = np.cumsum(rng.integers(1, 2**20, 300)).tolist()
+    entries = [_varint(8) + _varint(o) + _varint(24) + _varint(int(c)) for o, c in zip(offs, rng.integers(1, 9, 300))]
+    entries[130] += _varint(2 << 3 | 2) + _varint(3) + b"abc"
+    sizes = np.array([len(e) for e in entries])
+    begins, counts = index_entries(b"".join(entries), sizes)
+    slow = [_proto_fields(e) for e in entries]
+    assert begins.tolist() == [f.get(1, 0) for f in slow] == offs
+    assert counts.tolist() == [f.get(3, 0) for f in slow]
+    assert [a.tolist() for a in index_entries(b"", np.zeros(0, np.int64))] == [[], []]
 
 
 @pytest.mark.parametrize("options", ["group_size:1", "group_size:7", "group_size:1,uncompressed",

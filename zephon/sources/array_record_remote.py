@@ -49,7 +49,7 @@ def strip_block_headers(data: bytes, start: int) -> bytes:
     return b"".join(parts)
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if pos >= len(buf):
@@ -62,23 +62,31 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def varints(buf: bytes, count: int) -> np.ndarray:
+def varints(buf: bytes | memoryview, count: int) -> np.ndarray:
     """`count` varints packed in `buf` (vectorised: a footer lists every chunk)."""
     b = np.frombuffer(buf, dtype=np.uint8)
     ends = np.flatnonzero(b < 0x80)
     if len(ends) != count or (count and ends[-1] != len(b) - 1):
         raise ValueError(f"expected {count} varints in {len(b)} bytes, found {len(ends)}")
-    if count == 0:
+    return _varints_ending(b, ends)
+
+
+def _varints_ending(b: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The varints of bytes `b` whose last bytes are at `ends` (all of them, in order)."""
+    if not len(ends):
         return np.zeros(0, dtype=np.int64)
-    starts = np.concatenate([[0], ends[:-1] + 1])
-    lengths = ends - starts + 1
-    if lengths.max() > 10:
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    extra = ends - starts  # bytes after a varint's first
+    top = int(extra.max())
+    if top > 9:
         raise ValueError("a varint longer than 10 bytes")
-    low = (b & 0x7F).astype(np.int64)
-    vals = low[starts]
-    for k in range(1, int(lengths.max())):  # byte k of the varints that have one
-        longer = np.flatnonzero(lengths > k)
-        vals[longer] |= low[starts[longer] + k] << (7 * k)
+    vals = (b[starts] & 0x7F).astype(np.int64)
+    longer = np.arange(len(ends))
+    for k in range(1, top + 1):  # byte k of the varints that have one
+        longer = longer[extra[longer] >= k]
+        vals[longer] |= (b[starts[longer] + k] & 0x7F).astype(np.int64) << (7 * k)
     return vals
 
 
@@ -162,25 +170,40 @@ def decode_chunk(logical: bytes) -> list[bytes]:
     return [values[a:b] for a, b in itertools.pairwise(cuts)]
 
 
+#: footer entries parsed at a time: a block's temporaries (~1 MB) stay in cache and are reused,
+#: where a whole footer's (~100 MB for 190k chunks) was fresh memory, and page faults, on every open
+ENTRY_BLOCK = 16384
+
+
 def index_entries(values: bytes, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(chunk offset, record count) of every footer entry, vectorised: a footer lists every
     chunk (a million for a million records at group_size:1), and parsing the entries one by one
     in Python took seconds. Each entry is a protobuf message of varint fields (1: chunk offset,
     3: records); anything else falls back to the entry-by-entry parser."""
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    view = memoryview(values)
+    cuts = [*range(0, len(sizes), ENTRY_BLOCK), len(sizes)]
+    parts = [_index_block(view[bounds[i]:bounds[j]], sizes[i:j]) for i, j in itertools.pairwise(cuts)]
+    if not parts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def _index_block(values: memoryview, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = len(sizes)
     b = np.frombuffer(values, dtype=np.uint8)
     ends = np.flatnonzero(b < 0x80)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
-    try:
-        vals = varints(values, len(ends))
-    except ValueError:
-        vals = None
-    if vals is not None and n and np.all(sizes > 0):
+    if len(ends) and ends[-1] == len(b) - 1 and np.all(sizes > 0):
+        try:
+            vals = _varints_ending(b, ends)
+        except ValueError:
+            vals = None
         cum = np.searchsorted(ends, bounds - 1, side="right")  # varints ending before each entry
         per = np.diff(cum)
         # every entry ends on a varint's end and holds (key, value) pairs: then the keys are the
-        # varints at even positions of the whole footer, and an entry's pairs are contiguous
-        if np.array_equal(ends[cum[1:] - 1], bounds[1:] - 1) and np.all(per % 2 == 0):
+        # varints at even positions of the whole block, and an entry's pairs are contiguous
+        if vals is not None and np.array_equal(ends[cum[1:] - 1], bounds[1:] - 1) and np.all(per % 2 == 0):
             keys, fields_ = vals[0::2], vals[1::2]
             if np.all(keys & 7 == 0):
                 field_no, owner = keys >> 3, np.repeat(np.arange(n), per // 2)
@@ -194,7 +217,7 @@ def index_entries(values: bytes, sizes: np.ndarray) -> tuple[np.ndarray, np.ndar
             np.array([e.get(3, 0) for e in entries], dtype=np.int64))
 
 
-def _proto_fields(msg: bytes) -> dict[int, int]:
+def _proto_fields(msg: bytes | memoryview) -> dict[int, int]:
     """The varint fields of a small protobuf message (field number -> value)."""
     out, pos = {}, 0
     while pos < len(msg):
