@@ -308,7 +308,7 @@ def _run_threads(cache, batches):
     return results, errors
 
 
-@pytest.mark.parametrize("capacity", [40, 1 << 17])
+@pytest.mark.parametrize("capacity", [40, 600, 1 << 17])
 def test_threads_share_one_cache_exactly(tok, texts, capacity):
     """Misses are encoded outside the lock; rows filled out of order and start-overs at a small
     capacity still give every thread the tokenizer's ids."""
@@ -320,6 +320,8 @@ def test_threads_share_one_cache_exactly(tok, texts, capacity):
     for i, batch in enumerate(batches):
         assert_same(results[i], reference(tok, batch))
     assert len(cache._index) <= capacity and len(cache._start) == len(cache._index) == cache._committed
+    # calls sent back to look up again (a start-over in flight) count their pieces once
+    assert cache.pieces == sum(len(cache._split(t)) for batch in batches for t in batch)
     assert len(cache._ids) == int(cache._len.sum())
 
 

@@ -200,13 +200,16 @@ class PretokenCache:
         sends the calls in flight back to look up again. Arrays are replaced, never changed in
         place, so a caller can read them after the lock is released.
         """
+        counted = False  # a call looking up again after a start-over is counted once
         while True:
             with self._done:
                 index, generation = self._index, self._generation
                 index.new = []
                 idx = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
                 missing = index.new
-                self._count(len(pieces), len(missing))
+                if not counted:
+                    self._count(len(pieces), len(missing))
+                    counted = True
                 if len(index) > self.capacity:
                     return self._start_over(pieces)
                 first = len(index) - len(missing)  # this call's rows: first, first + 1, ...
