@@ -99,8 +99,12 @@ def _run_processes(builder: Builder, seg: Segment, start: int, stop: int, state:
     for r in results:
         if "not_applicable" in r:
             raise _NotApplicable(r["not_applicable"])
+    ends = {len(r["records"]) for r in results}
+    if len(ends) > 1:  # one rank would wait for the others at the end: a DDP hang in training
+        raise RuntimeError(f"the processes' data ended at different steps: {[len(r['records']) for r in results]} "
+                           f"steps after step {start}")
     records: list[StepRecord] = []
-    for k in range(stop - start):
+    for k in range(ends.pop()):
         merged: StepRecord = {}
         for r in results:
             merged.update({int(l): LaneRecord.from_json(v) for l, v in r["records"][k].items()})
@@ -133,7 +137,10 @@ def _worker(args: dict[str, Any]) -> None:
             if restore is not None:
                 sess.restore(restore)
             for _ in range(args["stop"] - args["start"]):
-                out = sess.step()
+                try:
+                    out = sess.step()
+                except StopIteration:  # a finite plan's end: the same step in every process
+                    break
                 lanes, cols = out.parts[0]
                 records.append({str(l): r.to_json() for l, r in lane_records(lanes, cols).items()})
             state = sess.state()
@@ -164,7 +171,11 @@ def _worker(args: dict[str, Any]) -> None:
                 loader.load_state_dict(_torch_round_trip(restore))
             owned = pipe.plan.lanes.owned(loader.rank, loader.world)
             for _ in range(args["stop"] - args["start"]):
-                cols = _torch_columns(next(loader), seg.micro)
+                try:
+                    batch = next(loader)
+                except StopIteration:
+                    break
+                cols = _torch_columns(batch, seg.micro)
                 records.append({str(l): r.to_json() for l, r in lane_records(owned, cols).items()})
             state = _torch_round_trip(loader.state_dict())
             loader.close()
