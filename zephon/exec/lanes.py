@@ -179,22 +179,7 @@ class LaneEngine(PerLaneAssembly):
 
     def _peek(self, b: int, k: int, count: int) -> list[tuple[Window, int]]:
         """The next `count` unused rows of branch b for lane k (fewer if the lane ended)."""
-        out: list[tuple[Window, int]] = []
-        wi = 0
-        while len(out) < count:
-            if wi == len(self.pending[b]):
-                if self._ended[b][k]:
-                    break
-                if self.feed is not None:
-                    self.feed.ask(b, k)
-                self._pull(b)
-            win = self.pending[b][wi]
-            win.raise_error()
-            self._ended[b] |= win.ended
-            lo, hi = int(win.used[k]), int(win.bounds[k + 1])
-            out += [(win, r) for r in range(lo, min(hi, lo + count - len(out)))]
-            wi += 1
-        return out
+        return self._arrived(b, k, count, count)[0]
 
     def _arrived(self, b: int, k: int, least: int, most: int) -> tuple[list[tuple[Window, int]], bool]:
         """Lane k's next unused rows of branch b in windows that have arrived, up to `most`;
