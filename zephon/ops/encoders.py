@@ -22,16 +22,20 @@ import functools
 import hashlib
 import itertools
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from zephon.errors import PlanError
 from zephon.ops.pretoken_regex import GPT2
+from zephon.ops.tiktoken_bpe import TiktokenBPE
+
+log = logging.getLogger(__name__)
 
 Structure = tuple[str, str, str | None]  # (regex, dialect, normalization form)
 
@@ -43,6 +47,8 @@ def _sha256(data: bytes) -> str:
 
 #: Missed pieces encoded in one sequence (the chunks go to the tokenizer's threads).
 PIECES_PER_SEQUENCE = 4096
+#: Fewest missed pieces worth a thread of tiktoken's engine.
+MIN_PIECES_PER_THREAD = 1024
 
 
 @functools.lru_cache(maxsize=4)
@@ -66,6 +72,7 @@ class HFEncoder:
         self.tokenizer = tokenizer
         self.json = tokenizer.to_str()
         self._pieces: Any = None
+        self._bpe: TiktokenBPE | Literal[False] | None = None
         self._structure: Structure | str | None = None
         self.added = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content]
 
@@ -85,6 +92,45 @@ class HFEncoder:
         return [np.array(e.ids, np.int32) for e in fast(list(texts), add_special_tokens=False)]
 
     def encode_pieces(self, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        bpe = self._tiktoken_bpe()
+        if bpe is None or not pieces:
+            return self._hf_pieces(pieces)
+        # tiktoken's engine on both cores (it releases the GIL), a chunk a thread
+        n = -(-len(pieces) // max(1, min(os.cpu_count() or 1, len(pieces) // MIN_PIECES_PER_THREAD)))
+        chunks = [pieces[i:i + n] for i in range(0, len(pieces), n)]
+        runs = list(_thread_pool(len(chunks)).map(bpe.encode, chunks)) if len(chunks) > 1 else [bpe.encode(chunks[0])]
+        flats: list[np.ndarray] = []
+        lens: list[np.ndarray] = []
+        for chunk, run in zip(chunks, runs):
+            if run is None:
+                run = (*self._hf_pieces(chunk), np.zeros(0, np.int64))
+            flat, length, unproven = run
+            if len(unproven):  # ids tiktoken's run does not prove equal to HF's: HF's own
+                docs = np.split(flat, np.cumsum(length)[:-1])
+                hf_flat, hf_lens = self._hf_pieces([chunk[i] for i in unproven])
+                for i, ids in zip(unproven, np.split(hf_flat, np.cumsum(hf_lens)[:-1])):
+                    docs[i] = ids
+                length = length.copy()
+                length[unproven] = hf_lens
+                flat = np.concatenate(docs) if docs else flat
+            flats.append(flat)
+            lens.append(length)
+        return np.concatenate(flats).astype(np.int32, copy=False), np.concatenate(lens)
+
+    def _tiktoken_bpe(self) -> TiktokenBPE | None:
+        """The model run by tiktoken's engine (`zephon.ops.tiktoken_bpe`), if it can be."""
+        if self._bpe is None:
+            model = json.loads(self.json).get("model") or {}
+            why = TiktokenBPE.eligible(model)
+            try:
+                self._bpe = False if why else TiktokenBPE(model)
+            except ValueError as e:
+                why, self._bpe = str(e), False
+            if why:
+                log.debug("missed pieces go to the tokenizer's own BPE, not tiktoken's engine: %s", why)
+        return self._bpe or None
+
+    def _hf_pieces(self, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         if self._pieces is None:  # the same model with a byte-level pre-tokenizer that does not split
             import tokenizers
 
