@@ -51,6 +51,15 @@ PIECES_PER_SEQUENCE = 4096
 MIN_PIECES_PER_THREAD = 1024
 
 
+def _threads() -> int:
+    """Threads for tiktoken's engine: this process's share of the cores (a `processes()` worker's
+    RAYON_NUM_THREADS, which sizes the tokenizers' own pools too), else the cores it may use."""
+    share = os.environ.get("RAYON_NUM_THREADS", "")
+    if share.isdigit() and int(share) > 0:
+        return int(share)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @functools.lru_cache(maxsize=4)
 def _thread_pool(threads: int) -> ThreadPoolExecutor:
     """One pool a process and size (tiktoken releases the GIL while it encodes)."""
@@ -92,30 +101,29 @@ class HFEncoder:
         return [np.array(e.ids, np.int32) for e in fast(list(texts), add_special_tokens=False)]
 
     def encode_pieces(self, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        bpe = self._tiktoken_bpe()
-        if bpe is None or not pieces:
+        if self._tiktoken_bpe() is None or not pieces:
             return self._hf_pieces(pieces)
-        # tiktoken's engine on both cores (it releases the GIL), a chunk a thread
-        n = -(-len(pieces) // max(1, min(os.cpu_count() or 1, len(pieces) // MIN_PIECES_PER_THREAD)))
+        # tiktoken's engine releases the GIL: a chunk a thread
+        threads = max(1, min(_threads(), len(pieces) // MIN_PIECES_PER_THREAD))
+        n = -(-len(pieces) // threads)
         chunks = [pieces[i:i + n] for i in range(0, len(pieces), n)]
-        runs = list(_thread_pool(len(chunks)).map(bpe.encode, chunks)) if len(chunks) > 1 else [bpe.encode(chunks[0])]
-        flats: list[np.ndarray] = []
-        lens: list[np.ndarray] = []
-        for chunk, run in zip(chunks, runs):
-            if run is None:
-                run = (*self._hf_pieces(chunk), np.zeros(0, np.int64))
-            flat, length, unproven = run
-            if len(unproven):  # ids tiktoken's run does not prove equal to HF's: HF's own
-                docs = np.split(flat, np.cumsum(length)[:-1])
-                hf_flat, hf_lens = self._hf_pieces([chunk[i] for i in unproven])
-                for i, ids in zip(unproven, np.split(hf_flat, np.cumsum(hf_lens)[:-1])):
-                    docs[i] = ids
-                length = length.copy()
-                length[unproven] = hf_lens
-                flat = np.concatenate(docs) if docs else flat
-            flats.append(flat)
-            lens.append(length)
-        return np.concatenate(flats).astype(np.int32, copy=False), np.concatenate(lens)
+        runs = list(_thread_pool(threads).map(self._engine_pieces, chunks)) if threads > 1 else \
+            [self._engine_pieces(pieces)]
+        return np.concatenate([r[0] for r in runs]), np.concatenate([r[1] for r in runs])
+
+    def _engine_pieces(self, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        run = self._tiktoken_bpe().encode(pieces)  # type: ignore[union-attr]
+        if run is None:
+            return self._hf_pieces(pieces)
+        flat, lens, unproven = run
+        if len(unproven):  # pieces whose ids tiktoken's run does not prove HF's: HF's own
+            ids = np.split(flat, np.cumsum(lens)[:-1])
+            hf_flat, hf_lens = self._hf_pieces([pieces[i] for i in unproven])
+            for i, x in zip(unproven, np.split(hf_flat, np.cumsum(hf_lens)[:-1])):
+                ids[i] = x
+            flat, lens = np.concatenate(ids), lens.copy()
+            lens[unproven] = hf_lens
+        return flat, lens
 
     def _tiktoken_bpe(self) -> TiktokenBPE | None:
         """The model run by tiktoken's engine (`zephon.ops.tiktoken_bpe`), if it can be."""
@@ -203,7 +211,7 @@ class TiktokenEncoder:
         one = self._encode_one
         if len(texts) < 2:
             return list(map(one, texts))
-        return list(_thread_pool(os.cpu_count() or 1).map(one, texts))
+        return list(_thread_pool(_threads()).map(one, texts))
 
     def _encode_one(self, text: str) -> np.ndarray:
         # encode() with no special token allowed nor checked is encode_ordinary (tiktoken's

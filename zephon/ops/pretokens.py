@@ -7,7 +7,8 @@ on its own, and text repeats its pieces: so a document's ids are the concatenati
 ids, and each distinct piece needs the tokenizer once. This module splits text with the
 tokenizer's own regex (run by `re`, `zephon.ops.pretoken_regex`), looks the pieces up in a
 bounded cache keyed by the piece's text, asks the tokenizer only for pieces it has not seen (one
-call a window) and gathers the ids with numpy.
+call a window; a `tokenizers` BPE's run on tiktoken's engine, `zephon.ops.tiktoken_bpe`) and
+gathers the ids with numpy.
 
 Served: GPT-2's `ByteLevel(use_regex=True)`, `Sequence[Split(regex, "isolated"),
 ByteLevel(use_regex=False)]` (cl100k, o200k, Llama 3, Qwen2 in `tokenizers`), tiktoken encodings,
