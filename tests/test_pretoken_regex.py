@@ -15,8 +15,15 @@ import unicodedata
 import pytest
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
-from zephon.ops import pretokens
+from zephon.ops import pretoken_regex, pretokens
 from zephon.ops.pretoken_regex import GPT2, REGEXES, Splitter, Unsupported, compile_pattern
+
+
+@pytest.fixture(autouse=True)
+def all_planes_at_once(monkeypatch):
+    """These tests check every variant's splits: the all-planes one is built for the first text
+    beyond the BMP (not after `FULL_AFTER` characters of such texts went to the tokenizer)."""
+    monkeypatch.setattr(pretoken_regex, "FULL_AFTER", 0)
 
 
 def pre_tokenizer(regex):
@@ -140,6 +147,16 @@ def test_tiktoken_end_anchor_is_end_of_text():
     # fancy-regex's `$` without (?m) is the end of the text (Oniguruma's is the end of a line)
     s = Splitter(r"\s++$|\s+(?!\S)|\s|\S+", "fancy")
     assert s.split("a \n b  ") == ["a", " \n", " ", "b", "  "]
+
+
+def test_text_beyond_the_bmp_waits_for_the_all_planes_variant_to_pay():
+    s = Splitter(REGEXES["cl100k"])
+    s.full_after = 20
+    emoji = "smile \U0001F600 now"  # 11 characters
+    assert s.split("привет мир") == ["привет", " мир"]  # the BMP variant serves it at once
+    assert s.split(emoji) is None and s.split(emoji) is None  # the tokenizer's, 22 characters
+    assert s.split(emoji) == ["smile", " \U0001F600", " now"]
+    assert s.split("\U000E0080") is None  # unassigned: not vouched for by either variant
 
 
 def test_isolated_split_keeps_what_no_match_covers():

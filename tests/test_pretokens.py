@@ -18,7 +18,7 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 from zephon import Loader, Source
 from zephon.demo import realtext
 from zephon.demo.textdata import generate_corpus, train_bpe
-from zephon.ops import pretokens
+from zephon.ops import pretoken_regex, pretokens
 from zephon.ops.encoders import load_tiktoken_file
 from zephon.ops.pack import Pack
 from zephon.ops.pretoken_regex import REGEXES
@@ -29,6 +29,13 @@ from zephon.sources.memory import ArraySource
 TRICKY = ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "'LL", "  ", "   x", "\n\n", " \n ",
           "\t", "\r\n", "123", " 45", "a1b2", "!!", " ?", " .", "\x1c", "\x1f", "\x0b", "\x0c",
           "\x00", "\x7f", "don't", "  'll", " 'd", "x  ", " ", ""]
+
+
+@pytest.fixture(autouse=True)
+def all_planes_at_once(monkeypatch):
+    """These tests check every variant's splits: the all-planes one is built for the first text
+    beyond the BMP (not after `FULL_AFTER` characters of such texts went to the tokenizer)."""
+    monkeypatch.setattr(pretoken_regex, "FULL_AFTER", 0)
 
 
 @pytest.fixture(scope="module")

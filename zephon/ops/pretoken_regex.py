@@ -16,7 +16,9 @@ explicit character class built from `unicodedata`:
   classes (which `re` tests in constant time) for most other text, all planes for the rest. A
   text is split by the smallest variant covering it: the result is the same, only faster. Sets
   are boolean numpy masks over the code points, so a process builds a variant in milliseconds
-  (ASCII) to ~0.1 s (all planes), when a text first needs it.
+  (ASCII, BMP) to ~0.2 s (all planes), when a text first needs it; texts beyond the BMP (emoji,
+  rare CJK) go to the tokenizer until they add up to `FULL_AFTER` characters, since most
+  corpora hold few and every worker process would pay the all-planes build.
 
 Exactness of the tables against the tokenizer's own engine is a tested fact, not an assumption:
 tests/test_pretokens.py splits every assigned code point in the contexts the regexes care about
@@ -68,6 +70,10 @@ class Unsupported(ValueError):
 #: The three variants' limits: a text is split by the first whose classes cover it.
 LIMITS = (0x80, 0x10000, sys.maxunicode + 1)
 Mask = np.ndarray  # bool[limit]: a set of code points below the variant's limit
+#: Characters of texts beyond the Basic Multilingual Plane a `Splitter` leaves to the tokenizer
+#: before building its all-planes variant (about what `tokenizers` encodes in the ~0.2 s the
+#: variant takes to build).
+FULL_AFTER = 500_000
 #: The general categories a property may name (Cn and Cs hold no vouched code point).
 _CATEGORIES = frozenset(a + b for a, bs in (("L", "ultmo"), ("M", "nce"), ("N", "dlo"), ("P", "cdseifo"),
                                              ("S", "mcko"), ("Z", "slp"), ("C", "cfo")) for b in bs)
@@ -254,6 +260,10 @@ class Splitter:
         # a text first needs them (tens of milliseconds each, in every process)
         self.ascii = compile_variant(pattern, dialect, LIMITS[0]).findall
         self.unicode = unicode
+        # the all-planes variant takes ~0.2 s to build, in every worker process (the categories
+        # of 1.1M code points, a regex of their classes), and few texts need it (emoji, rare
+        # CJK): those go to the tokenizer until their characters add up to `full_after`
+        self.full_after, self.beyond_bmp = FULL_AFTER, 0
 
     @functools.cached_property
     def bmp(self) -> Callable[[str], list[str]]:
@@ -272,6 +282,9 @@ class Splitter:
         pieces = self.bmp(text)
         if sum(map(len, pieces)) == len(text):
             return pieces
+        if self.beyond_bmp < self.full_after:  # the tokenizer splits it, until building the
+            self.beyond_bmp += len(text)  # all-planes variant pays for itself
+            return None
         pieces = self.full(text)
         return pieces if sum(map(len, pieces)) == len(text) else None
 

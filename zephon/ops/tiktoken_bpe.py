@@ -47,11 +47,13 @@ class TiktokenBPE:
         import tiktoken
 
         sym = byte_symbols()
+        # each symbol to the character of its byte, any other character past Latin-1
+        table = {c: chr(sym[chr(c)]) if chr(c) in sym else "\uffff" for c in range(512)}
 
         def to_bytes(token: str) -> bytes | None:
             try:
-                return bytes(sym[c] for c in token)
-            except KeyError:  # not byte-level text: no byte-level word can produce it
+                return token.translate(table).encode("latin-1")
+            except UnicodeEncodeError:  # not byte-level text: no byte-level word can produce it
                 return None
 
         vocab: dict[str, int] = model["vocab"]
@@ -71,9 +73,9 @@ class TiktokenBPE:
                     ranks[t] = top
                     top += 1
         ids = np.full(max(ranks.values()) + 1, -1, np.int64)
-        byte_of = {b: c for c, b in sym.items()}
+        symbol_of = {b: c for c, b in sym.items()}  # a byte's character to its symbol
         for t, r in ranks.items():
-            ids[r] = vocab.get("".join(byte_of[b] for b in t), -1)
+            ids[r] = vocab.get(t.decode("latin-1").translate(symbol_of), -1)
         if (ids < 0).any():
             raise ValueError("a merge's result is not in the vocabulary")
         self.ids = ids.astype(np.int32)
