@@ -8,6 +8,7 @@ for tiktoken (fancy-regex) the same ids. The fast tests sweep the first 0x3100 c
 random sample; the slow ones every code point.
 """
 
+import itertools
 import random
 import re
 import unicodedata
@@ -16,7 +17,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
 from zephon.ops import pretoken_regex, pretokens
-from zephon.ops.pretoken_regex import GPT2, REGEXES, Splitter, Unsupported, compile_pattern
+from zephon.ops.pretoken_regex import GPT2, LIMITS, REGEXES, Splitter, Unsupported, compile_pattern, compile_variant
 
 
 @pytest.fixture(autouse=True)
@@ -73,6 +74,48 @@ def test_code_points_of_common_scripts_split_like_the_tokenizer(name):
 def test_every_assigned_code_point_splits_like_the_tokenizer(name):
     """What `UNICODE_CHECKED` rests on for `tokenizers`: run it to add a version pair there."""
     assert_splits_like_the_tokenizer(REGEXES[name], sample(fast=False))
+
+
+def assert_tiktoken_splits_like_re(regex, codepoints, group=16):
+    """tiktoken's engine (fancy-regex) runs the BMP variant for whole documents
+    (`TiktokenBPE.document_encoder`): its pieces must be `re`'s, which the sweep above compares
+    with the tokenizer's. tiktoken does not expose its pieces, so each text gets a vocabulary in
+    which every `re` piece is one token (tiktoken takes a piece that is a token whole) and so is
+    every two adjacent pieces' concatenation: a tiktoken piece spanning several `re` pieces then
+    cannot come out as those pieces (their concatenation would merge), and BPE never crosses a
+    tiktoken piece, so the tokens' bytes equal `re`'s pieces only if the cuts are the same."""
+    tiktoken = pytest.importorskip("tiktoken")
+    splitter = Splitter(regex)
+    pattern = compile_variant(regex, "onig", LIMITS[1]).pattern
+    bmp = [c for c in map(chr, codepoints) if ord(c) < LIMITS[1] and unicodedata.category(c) not in ("Cn", "Cs")]
+    for i in range(0, len(bmp), group):
+        texts = [contexts(c) for c in bmp[i:i + group]]
+        pieces = [[p.encode() for p in splitter.bmp(t)] for t in texts]
+        ranks = {bytes([b]): b for b in range(256)}
+        for ps in pieces:
+            for p in [*ps, *(a + b for a, b in itertools.pairwise(ps))]:
+                ranks.setdefault(p, len(ranks))
+        enc = tiktoken.Encoding("re-pieces", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+        for t, ps in zip(texts, pieces):
+            assert [enc.decode_single_token_bytes(x) for x in enc.encode_ordinary(t)] == ps, repr(t[:2])
+    others = [c for c in map(chr, codepoints) if c not in set(bmp) and unicodedata.category(c) != "Cs"]
+    enc = tiktoken.Encoding("bytes", pat_str=pattern, mergeable_ranks={bytes([b]): b for b in range(256)},
+                            special_tokens={})
+    for c in others[::97]:  # beyond the BMP or unassigned: no piece holds it, so the bytes fall short
+        assert len(enc.encode_ordinary(contexts(c))) < len(contexts(c).encode()), f"U+{ord(c):04X}"
+    assert len(bmp) > len(codepoints) // 20
+
+
+@pytest.mark.skipif(not pretokens.unicode_checked(), reason="Unicode tables unchecked for these versions")
+@pytest.mark.parametrize("name", sorted(REGEXES))
+def test_tiktoken_splits_code_points_of_common_scripts_like_re(name):
+    assert_tiktoken_splits_like_re(REGEXES[name], sample(fast=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(REGEXES))
+def test_tiktoken_splits_every_code_point_like_re(name):
+    assert_tiktoken_splits_like_re(REGEXES[name], sample(fast=False))
 
 
 def assert_normalizes_like_the_tokenizer(form, codepoints):

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -64,6 +64,12 @@ def _threads() -> int:
 def _thread_pool(threads: int) -> ThreadPoolExecutor:
     """One pool a process and size (tiktoken releases the GIL while it encodes)."""
     return ThreadPoolExecutor(threads, thread_name_prefix="zephon-tiktoken")
+
+
+def thread_map(fn: Callable[[Any], Any], items: Sequence[Any], threads: int | None = None) -> list[Any]:
+    """`fn` over `items` on this process's share of the cores (`fn` releases the GIL: tiktoken)."""
+    n = min(_threads() if threads is None else threads, len(items))
+    return list(_thread_pool(n).map(fn, items)) if n > 1 else list(map(fn, items))
 
 
 def _flat(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -106,9 +112,7 @@ class HFEncoder:
         # tiktoken's engine releases the GIL: a chunk a thread
         threads = max(1, min(_threads(), len(pieces) // MIN_PIECES_PER_THREAD))
         n = -(-len(pieces) // threads)
-        chunks = [pieces[i:i + n] for i in range(0, len(pieces), n)]
-        runs = list(_thread_pool(threads).map(self._engine_pieces, chunks)) if threads > 1 else \
-            [self._engine_pieces(pieces)]
+        runs = thread_map(self._engine_pieces, [pieces[i:i + n] for i in range(0, len(pieces), n)])
         return np.concatenate([r[0] for r in runs]), np.concatenate([r[1] for r in runs])
 
     def _engine_pieces(self, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -208,10 +212,7 @@ class TiktokenEncoder:
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         """`encode_ordinary_batch`'s ids, as arrays straight from tiktoken's buffer: its lists of
         Python ints (and a thread pool made per call) cost 2-3x the encoding itself."""
-        one = self._encode_one
-        if len(texts) < 2:
-            return list(map(one, texts))
-        return list(_thread_pool(_threads()).map(one, texts))
+        return thread_map(self._encode_one, texts)
 
     def _encode_one(self, text: str) -> np.ndarray:
         # encode() with no special token allowed nor checked is encode_ordinary (tiktoken's

@@ -29,13 +29,13 @@ import logging
 import re
 import threading
 import unicodedata
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
-from zephon.ops.encoders import HFEncoder, TiktokenEncoder, encoder
-from zephon.ops.pretoken_regex import Splitter, Unsupported
+from zephon.ops.encoders import HFEncoder, TiktokenEncoder, encoder, thread_map
+from zephon.ops.pretoken_regex import LIMITS, Splitter, Unsupported, compile_variant
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,9 @@ class PretokenCache:
     pieces than that keeps only `capacity` of them.
     """
 
-    def __init__(self, tokenizer: Any, capacity: int) -> None:
+    def __init__(self, tokenizer: Any, capacity: int, documents: bool = True) -> None:
         self.enc = tokenizer if isinstance(tokenizer, (HFEncoder, TiktokenEncoder)) else encoder(tokenizer)
-        self.capacity = capacity
+        self.capacity, self.documents = capacity, documents
         s = self.enc.structure()
         if isinstance(s, str):
             raise ValueError(f"the pre-token cache cannot serve this tokenizer: {s}")
@@ -113,6 +113,7 @@ class PretokenCache:
         self.pieces = self.misses = self.served = 0  # pieces looked up, missed; documents served
         self.warm_pieces = self.warm_misses = 0  # the same, counted once the cache has warmed up
         self.active = True
+        self._whole: Callable[[str], np.ndarray | None] | Literal[False] | None = None
 
     def _reset(self) -> None:
         """Empty the cache; calls in flight on the old one look up again (`_generation`)."""
@@ -125,36 +126,69 @@ class PretokenCache:
         self._len = np.zeros(0, np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"enc": self.enc, "capacity": self.capacity}
+        return {"enc": self.enc, "capacity": self.capacity, "documents": self.documents}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.__init__(d["enc"], d["capacity"])  # type: ignore[misc]
+        self.__init__(d["enc"], d["capacity"], d["documents"])  # type: ignore[misc]
 
     @staticmethod
     def hf(tokenizer: Any, texts: Sequence[str]) -> list[np.ndarray]:
         """int32 ids of each text from the tokenizer's own batched encode (no cache)."""
         return encoder(tokenizer).encode(texts)
 
-    def _split(self, text: str) -> list[str] | None:
+    def _splittable(self, text: str) -> bool:
+        """Whether the text is the tokenizer's pieces' text only: no added token's text in it,
+        and no normal form to apply (ASCII is its own NFC/NFKC; elsewhere Python's tables and
+        the tokenizer's differ: the sweep found U+07FD's combining class)."""
         added = self._added
-        if added is not None and added.search(text):
-            return None
-        if self.form is not None and not text.isascii():
-            # ASCII is its own NFC/NFKC; elsewhere Python's tables and the tokenizer's differ
-            # (the sweep: U+07FD's combining class), so such text goes to the tokenizer
-            return None
-        return self.splitter.split(text)
+        return (added is None or not added.search(text)) and (self.form is None or text.isascii())
+
+    def _split(self, text: str) -> list[str] | None:
+        return self.splitter.split(text) if self._splittable(text) else None
+
+    def _documents(self) -> Callable[[str], np.ndarray | None] | None:
+        """Whole texts through tiktoken's engine (`TiktokenBPE.document_encoder`), when the
+        tokenizer is a `tokenizers` BPE it can run: its regex (the BMP variant: texts beyond
+        it come back unproven) and its merges in Rust, on both cores, 1.5-2x the split and
+        lookups here on real text (benchmarks/tokenize_real.py)."""
+        if self._whole is None:
+            self._whole = False
+            bpe = self.enc._tiktoken_bpe() if self.documents and isinstance(self.enc, HFEncoder) else None
+            if bpe is not None:
+                # non-ASCII text only where Python's tables were checked (else no class holds it)
+                s = self.splitter
+                variant = compile_variant(s.pattern, s.dialect, LIMITS[1] if self.unicode else LIMITS[0])
+                try:
+                    self._whole = bpe.document_encoder(variant.pattern)
+                except ValueError as e:
+                    log.debug("tiktoken's engine cannot run this regex (%s): the cache splits texts", e)
+        return self._whole or None
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         """int32 ids of each text, equal to the tokenizer's own batched encode's."""
+        out: list[np.ndarray] = [None] * len(texts)  # type: ignore[list-item]
+        todo = list(range(len(texts)))
+        whole = self._documents()
+        if whole is not None:
+            # longest first: the threads end a window together
+            mine = sorted((i for i in todo if self._splittable(texts[i])), key=lambda i: -len(texts[i]))
+            for i, ids in zip(mine, thread_map(whole, [texts[i] for i in mine])):
+                out[i] = ids
+            todo = [i for i in todo if out[i] is None]
+            self.served += len(texts) - len(todo)
+            if not todo:
+                return out
         if not self.active:
-            return self.enc.encode(texts)
-        mine: list[int] = []
+            for i, ids in zip(todo, self.enc.encode([texts[i] for i in todo])):
+                out[i] = ids
+            return out
+        mine = []
         rest: list[int] = []  # documents for the tokenizer itself
         pieces: list[str] = []
         counts: list[int] = []
         split = self._split
-        for i, t in enumerate(texts):
+        for i in todo:
+            t = texts[i]
             p = split(t)
             if p is None:
                 rest.append(i)
@@ -162,7 +196,6 @@ class PretokenCache:
             mine.append(i)
             pieces += p
             counts.append(len(p))
-        out: list[np.ndarray] = [None] * len(texts)  # type: ignore[list-item]
         if rest:
             for i, ids in zip(rest, self.enc.encode([texts[i] for i in rest])):
                 out[i] = ids

@@ -24,7 +24,7 @@ that is one token is that token).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -116,6 +116,49 @@ class TiktokenBPE:
             parts[at:at + 2] = [parts[at] + parts[at + 1]]
         return True
 
+    def _soundness(self, ranks: np.ndarray) -> np.ndarray:
+        """Each token's soundness (1 sound, -1 not), checking the tokens seen for the first time."""
+        sound = self._sound
+        out = sound[ranks]
+        if out.all():
+            return out
+        for r in np.unique(ranks[out == 0]).tolist():
+            sound[r] = 1 if self._run_is_listed(r) else -1
+        return sound[ranks]
+
+    def document_encoder(self, pattern: str) -> Callable[[str], np.ndarray | None]:
+        """Whole texts split by `pattern` and merged, both by tiktoken (in Rust, without the
+        GIL): the function gives a text's HF ids, or None where they are not proven HF's.
+
+        `pattern` is a `zephon.ops.pretoken_regex` variant: its classes hold only the code points
+        Python's tables vouch for (checked against the tokenizer's), so its pieces are the
+        tokenizer's where they cover the text (tests/test_tiktoken_bpe.py compares them with
+        `re`'s, piece for piece). tiktoken drops what no piece covers, so a text whose tokens'
+        bytes fall short of its own is not proven (an unvouched character); nor is one with a
+        token that is not sound (`ignore_merges` cannot tell a whole piece here), nor text
+        tiktoken cannot take (a lone surrogate). Raises ValueError if tiktoken rejects `pattern`.
+        """
+        import tiktoken
+
+        enc = tiktoken.Encoding(f"hf-bpe-{len(self.ranks)}-documents", pat_str=pattern,
+                                mergeable_ranks=self.ranks, special_tokens={})
+        nbytes = np.zeros(len(self.ids), np.int64)
+        for t, r in self.ranks.items():
+            nbytes[r] = len(t)
+        ids = self.ids
+
+        def encode(text: str) -> np.ndarray | None:
+            try:
+                ranks = enc.encode_to_numpy(text, disallowed_special=())
+            except Exception:
+                return None
+            size = len(text) if text.isascii() else len(text.encode("utf-8"))
+            if int(nbytes[ranks].sum()) != size or self._soundness(ranks).min(initial=1) < 0:
+                return None
+            return ids[ranks]
+
+        return encode
+
     def encode(self, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(HF ids of all pieces concatenated, each piece's number of ids, the pieces whose ids
         are not proven HF's), or None when the pieces cannot be joined (one holds `SEP`, or is
@@ -130,10 +173,7 @@ class TiktokenBPE:
         seps = np.flatnonzero(out == 0)  # rank 0 is the byte 0: only the separators
         lens = np.diff(seps, prepend=-1) - 1
         ranks = np.delete(out, seps)
-        sound = self._sound
-        for r in np.unique(ranks[sound[ranks] == 0]).tolist():
-            sound[r] = 1 if self._run_is_listed(r) else -1
-        bad = sound[ranks] < 0
+        bad = self._soundness(ranks) < 0
         if self.whole_words:  # HF too returns a piece that is one token as that token
             bad &= np.repeat(lens != 1, lens)
         if bad.any():
