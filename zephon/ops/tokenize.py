@@ -47,7 +47,8 @@ class Tokenize(Transform):
       keep_text: keep the text column next to the tokens.
       cache: pieces kept by the exact pre-token cache (`zephon.ops.pretokens`), which encodes
         regex-split byte-level BPE `tokenizers` (GPT-2, cl100k, o200k, Llama 3, Qwen2 structures)
-        faster than their batched encode with the same ids; 0 turns it off. Tokenizers it
+        faster than their batched encode with the same ids (non-ASCII documents whole on
+        tiktoken's engine where it is installed, `zephon.ops.tiktoken_bpe`); 0 turns both off. Tokenizers it
         cannot serve exactly are used as they are (`pretokens.ineligible` says why), and so are
         tiktoken encodings, whose own batched encode is faster than the cache.
     """
