@@ -66,9 +66,9 @@ def _thread_pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="zephon-tiktoken")
 
 
-def thread_map(fn: Callable[[Any], Any], items: Sequence[Any], threads: int | None = None) -> list[Any]:
+def thread_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
     """`fn` over `items` on this process's share of the cores (`fn` releases the GIL: tiktoken)."""
-    n = min(_threads() if threads is None else threads, len(items))
+    n = min(_threads(), len(items))
     return list(_thread_pool(n).map(fn, items)) if n > 1 else list(map(fn, items))
 
 

@@ -162,10 +162,9 @@ class PretokenCache:
         if self._whole is None:
             self._whole = False
             bpe = self.enc._tiktoken_bpe() if self.documents and isinstance(self.enc, HFEncoder) else None
-            if bpe is not None:
-                # non-ASCII text only where Python's tables were checked (else no class holds it)
+            if bpe is not None and self.unicode:  # non-ASCII text, where Python's tables were checked
                 s = self.splitter
-                variant = compile_variant(s.pattern, s.dialect, LIMITS[1] if self.unicode else LIMITS[0])
+                variant = compile_variant(s.pattern, s.dialect, LIMITS[1])
                 try:
                     self._whole = bpe.document_encoder(variant.pattern)
                 except ValueError as e:
