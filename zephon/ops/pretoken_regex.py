@@ -236,12 +236,17 @@ def compile_variant(pattern: str, dialect: Dialect, limit: int) -> re.Pattern[st
 
     The variants differ only in what their classes hold, so one that compiles means all do.
     """
-    parts = _Parser(pattern, dialect, limit).parse()
-    text = "".join(p if isinstance(p, str) else f"[{_class_text(p)}]" if p.any() else "(?!)" for p in parts)
     try:
-        return re.compile(text)
+        return re.compile(variant_text(pattern, dialect, limit))
     except re.error as e:
         raise Unsupported(f"Python's re rejects the rewritten pattern ({e})") from None
+
+
+@cache
+def variant_text(pattern: str, dialect: Dialect, limit: int) -> str:
+    """The source of `compile_variant`'s pattern (what tiktoken's engine is given, uncompiled)."""
+    parts = _Parser(pattern, dialect, limit).parse()
+    return "".join(p if isinstance(p, str) else f"[{_class_text(p)}]" if p.any() else "(?!)" for p in parts)
 
 
 def compile_pattern(pattern: str, dialect: Dialect = "onig") -> tuple[re.Pattern[str], ...]:

@@ -43,7 +43,7 @@ from typing import Any, Literal
 import numpy as np
 
 from zephon.ops.encoders import HFEncoder, TiktokenEncoder, encoder, thread_map
-from zephon.ops.pretoken_regex import LIMITS, Splitter, Unsupported, compile_variant
+from zephon.ops.pretoken_regex import LIMITS, Splitter, Unsupported, variant_text
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +164,8 @@ class PretokenCache:
             bpe = self.enc._tiktoken_bpe() if self.documents and isinstance(self.enc, HFEncoder) else None
             if bpe is not None and self.unicode:  # non-ASCII text, where Python's tables were checked
                 s = self.splitter
-                variant = compile_variant(s.pattern, s.dialect, LIMITS[1])
                 try:
-                    self._whole = bpe.document_encoder(variant.pattern)
+                    self._whole = bpe.document_encoder(variant_text(s.pattern, s.dialect, LIMITS[1]))
                 except ValueError as e:
                     log.debug("tiktoken's engine cannot run this regex (%s): the cache splits texts", e)
         return self._whole or None
