@@ -1,8 +1,9 @@
 """Tokenize's pre-token cache against the tokenizer's own `encode_batch`, on one core.
 
 Three generated streams, each tokenized in windows of 256 texts by `encode_batch` (HF
-`tokenizers`, TOKENIZERS_PARALLELISM=false so both sides use one core) and by
-`zephon.ops.pretokens.PretokenCache` (after a warm-up window), best of 3 passes, same ids checked:
+`tokenizers`; TOKENIZERS_PARALLELISM=false and RAYON_NUM_THREADS=1, so both sides use one core)
+and by `zephon.ops.pretokens.PretokenCache` (after a warm-up window; its non-ASCII documents go
+whole to tiktoken's engine), best of 3 passes, same ids checked:
 
   ascii prose     `generate_corpus` prose (what benchmarks/pack.py tokenizes)
   non-ascii prose the same with every 7th word non-ASCII (accents, curly quotes, dashes)
@@ -18,6 +19,7 @@ import json
 import os
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers is imported: one core each
+os.environ["RAYON_NUM_THREADS"] = "1"  # tiktoken's engine in the cache, too (`encoders._threads`)
 
 import random
 import time

@@ -19,7 +19,7 @@ from zephon import Loader, Source
 from zephon.demo import realtext
 from zephon.demo.textdata import generate_corpus, train_bpe
 from zephon.ops import pretoken_regex, pretokens
-from zephon.ops.encoders import load_tiktoken_file
+from zephon.ops.encoders import HFEncoder, load_tiktoken_file
 from zephon.ops.pack import Pack
 from zephon.ops.pretoken_regex import REGEXES
 from zephon.ops.pretokens import PretokenCache, ineligible
@@ -133,15 +133,19 @@ def test_steps_aside_when_pieces_do_not_repeat(tok, texts, monkeypatch):
     for i in range(0, 300, 20):
         assert_same(repeating.encode(texts[i:i + 20]), reference(tok, texts[i:i + 20]))
     assert repeating.active and repeating.warm_pieces >= 1000 and repeating.served == 300
-    cache = PretokenCache(tok, 1 << 17, documents=False)
+    engine = PretokenCache(tok, 1 << 17, documents=False)  # misses on tiktoken's engine are cheap
+    hf = PretokenCache(tok, 1 << 17, documents=False)  # misses to `tokenizers`' BPE are not
+    hf.enc = HFEncoder(tok)
+    hf.enc._bpe = False
     for _ in range(4):  # 600 new pieces a call: the first 1000 fill it, the next 1000 judge it
         batch = unique_words(20)
-        assert_same(cache.encode(batch), reference(tok, batch))
-    assert not cache.active
-    served = cache.served
+        for cache in (engine, hf):
+            assert_same(cache.encode(batch), reference(tok, batch))
+    assert engine.active == (engine.enc._tiktoken_bpe() is not None) and not hf.active
+    served = hf.served
     batch = unique_words(20)
-    assert_same(cache.encode(batch), reference(tok, batch))
-    assert cache.served == served
+    assert_same(hf.encode(batch), reference(tok, batch))
+    assert hf.served == served
 
 
 @pytest.fixture(scope="module")
