@@ -14,7 +14,8 @@ of one output token are its run on those bytes alone (pairs inside the span are 
 looking outside it, and no merge crosses the span's edge). So a token is *sound* when tiktoken's
 run on its own bytes ends in that token by listed merges only (checked in Python, once, the
 first time a token comes out), and a piece whose tokens are all sound has HF's ids. The others
-go to HF itself (none, in the tokenizers trained here and in cl100k_base).
+go to HF itself (none, in the tokenizers trained here and in cl100k_base). `document_encoder`
+runs whole texts the same way, split by tiktoken with the tokenizer's regex as rewritten for `re`.
 
 Served: `BPE` models over the 256 byte-level symbols (ByteLevel pre-tokenizers), without dropout,
 subword prefix or suffix, with or without `ignore_merges` (which tiktoken always does: a piece
@@ -132,7 +133,7 @@ class TiktokenBPE:
 
         `pattern` is a `zephon.ops.pretoken_regex` variant: its classes hold only the code points
         Python's tables vouch for (checked against the tokenizer's), so its pieces are the
-        tokenizer's where they cover the text (tests/test_tiktoken_bpe.py compares them with
+        tokenizer's where they cover the text (tests/test_pretoken_regex.py compares them with
         `re`'s, piece for piece). tiktoken drops what no piece covers, so a text whose tokens'
         bytes fall short of its own is not proven (an unvouched character); nor is one with a
         token that is not sound (`ignore_merges` cannot tell a whole piece here), nor text
