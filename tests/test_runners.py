@@ -421,3 +421,25 @@ def test_the_modules_a_function_pickle_names_are_known_before_workers_start():
     blob, modules = _dumps(Map(double))
     assert {"zephon.ops.map", __name__} <= modules and "__main__" not in modules
     assert __import__("pickle").loads(blob).fn is double
+
+
+def _native_threads(_):
+    from zephon.runners.base import native_threads
+
+    return native_threads()
+
+
+def test_native_engines_get_their_runners_share_of_the_cores(monkeypatch):
+    """tiktoken's engine sizes its threads to this: two runner threads (or worker processes) each
+    starting a pool as large as the machine would oversubscribe it."""
+    from zephon.runners import available_cores
+
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    cores = available_cores()
+    assert list(inline().imap(_native_threads, [0])) == [cores]
+    share = max(1, cores // 2)
+    for runner in (Threads(2), Processes(2)):
+        try:
+            assert set(runner.imap(_native_threads, range(6))) == {share}, runner
+        finally:
+            runner.close()

@@ -34,6 +34,7 @@ import numpy as np
 from zephon.errors import PlanError
 from zephon.ops.pretoken_regex import GPT2
 from zephon.ops.tiktoken_bpe import TiktokenBPE
+from zephon.runners.base import native_threads
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +52,6 @@ PIECES_PER_SEQUENCE = 4096
 MIN_PIECES_PER_THREAD = 1024
 
 
-def _threads() -> int:
-    """Threads for tiktoken's engine: this process's share of the cores (a `processes()` worker's
-    RAYON_NUM_THREADS, which sizes the tokenizers' own pools too), else the cores it may use."""
-    share = os.environ.get("RAYON_NUM_THREADS", "")
-    if share.isdigit() and int(share) > 0:
-        return int(share)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 @functools.lru_cache(maxsize=4)
 def _thread_pool(threads: int) -> ThreadPoolExecutor:
     """One pool a process and size (tiktoken releases the GIL while it encodes)."""
@@ -68,7 +60,7 @@ def _thread_pool(threads: int) -> ThreadPoolExecutor:
 
 def thread_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
     """`fn` over `items` on this process's share of the cores (`fn` releases the GIL: tiktoken)."""
-    n = min(_threads(), len(items))
+    n = min(native_threads(), len(items))
     return list(_thread_pool(n).map(fn, items)) if n > 1 else list(map(fn, items))
 
 
@@ -110,7 +102,7 @@ class HFEncoder:
         if self._tiktoken_bpe() is None or not pieces:
             return self._hf_pieces(pieces)
         # tiktoken's engine releases the GIL: a chunk a thread
-        threads = max(1, min(_threads(), len(pieces) // MIN_PIECES_PER_THREAD))
+        threads = max(1, min(native_threads(), len(pieces) // MIN_PIECES_PER_THREAD))
         n = -(-len(pieces) // threads)
         runs = thread_map(self._engine_pieces, [pieces[i:i + n] for i in range(0, len(pieces), n)])
         return np.concatenate([r[0] for r in runs]), np.concatenate([r[1] for r in runs])

@@ -18,6 +18,7 @@ swapped for speed alone. The contract is small on purpose:
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -46,3 +47,22 @@ def available_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+_share = threading.local()
+
+
+def set_native_threads(n: int) -> None:
+    """Runs in each of a runner's threads: the native threads its work may start (its share)."""
+    _share.threads = n
+
+
+def native_threads() -> int:
+    """Threads a native engine (tiktoken's) may use from the calling thread: a `threads()`
+    runner's share of the cores, a `processes()` worker's (RAYON_NUM_THREADS, which sizes
+    `tokenizers`' own pool too), else the cores this process may use."""
+    n = getattr(_share, "threads", None)
+    if n:
+        return int(n)
+    env = os.environ.get("RAYON_NUM_THREADS", "")
+    return int(env) if env.isdigit() and int(env) > 0 else available_cores()

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from zephon.errors import check_positive_int
-from zephon.runners.base import END, R, T, available_cores
+from zephon.runners.base import END, R, T, available_cores, set_native_threads
 
 
 class Threads:
@@ -48,7 +48,11 @@ class Threads:
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="zephon")
+                # each thread's share of the cores for native engines, which would otherwise
+                # each start a pool as large as the machine
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="zephon",
+                                                initializer=set_native_threads,
+                                                initargs=(max(1, available_cores() // self.workers),))
             return self._pool
 
     def imap(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
