@@ -75,9 +75,9 @@ class HFEncoder:
 
     kind = "tokenizers"
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, text: str | None = None) -> None:
         self.tokenizer = tokenizer
-        self.json = tokenizer.to_str()
+        self.json = tokenizer.to_str() if text is None else text  # `text`: the JSON it was made from
         self._pieces: Any = None
         self._bpe: TiktokenBPE | Literal[False] | None = None
         self._structure: Structure | str | None = None
@@ -89,7 +89,7 @@ class HFEncoder:
     def __setstate__(self, d: dict[str, Any]) -> None:
         import tokenizers
 
-        self.__init__(tokenizers.Tokenizer.from_str(d["json"]))  # type: ignore[misc]
+        self.__init__(tokenizers.Tokenizer.from_str(d["json"]), d["json"])  # type: ignore[misc]
 
     def identity(self) -> dict[str, Any]:
         return {"tokenizer_sha256": _sha256(self.json.encode())}
