@@ -5,7 +5,9 @@ tests build vocabularies where the two differ, and random ones, and check that e
 are HF's: the soundness check must catch each unlisted merge, not just the common case.
 """
 
+import json
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -113,6 +115,14 @@ def test_pieces_it_cannot_join_go_to_hf():
     pieces = ["ab", "a\x00b", "\x00", "abab"]
     assert enc._tiktoken_bpe().encode(pieces) is None  # the separator is inside a piece
     assert engine_ids(enc, pieces) == hf_ids(enc, pieces)
+
+
+def test_without_tiktoken_misses_go_to_hf(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # `import tiktoken` raises ImportError
+    enc = HFEncoder(byte_level([(b"a", b"b")]))
+    assert "not installed" in TiktokenBPE.eligible(json.loads(enc.json)["model"])
+    assert enc._tiktoken_bpe() is None
+    assert engine_ids(enc, ["ab", "ba"]) == hf_ids(enc, ["ab", "ba"])
 
 
 def test_what_it_cannot_serve_is_named():
