@@ -69,6 +69,7 @@ from zephon.demo import realtext  # noqa: E402
 from zephon.demo.textdata import train_bpe  # noqa: E402
 from zephon.ops.pretoken_regex import REGEXES  # noqa: E402
 from zephon.ops.pretokens import PretokenCache  # noqa: E402
+from zephon.ops.tiktoken_bpe import byte_symbols  # noqa: E402
 
 SEQ_LEN, BATCH = 2048, 32
 RUNNERS = ("inline", "threads:2", "processes:2")  # the ratios take the best of them
@@ -148,9 +149,7 @@ def hf_from_tiktoken(enc: Any) -> Any:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     ranks = enc._mergeable_ranks
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in keep]
-    byte_char = {b: chr(c) for b, c in zip(keep + extra, keep + [256 + i for i in range(len(extra))])}
+    byte_char = {b: c for c, b in byte_symbols().items()}
 
     def word(token: bytes) -> str:
         return "".join(byte_char[b] for b in token)

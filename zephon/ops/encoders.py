@@ -99,16 +99,18 @@ class HFEncoder:
         return [np.array(e.ids, np.int32) for e in fast(list(texts), add_special_tokens=False)]
 
     def encode_pieces(self, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        if self._tiktoken_bpe() is None or not pieces:
+        bpe = self._tiktoken_bpe()
+        if bpe is None or not pieces:
             return self._hf_pieces(pieces)
         # tiktoken's engine releases the GIL: a chunk a thread
         threads = max(1, min(native_threads(), len(pieces) // MIN_PIECES_PER_THREAD))
         n = -(-len(pieces) // threads)
-        runs = thread_map(self._engine_pieces, [pieces[i:i + n] for i in range(0, len(pieces), n)])
+        runs = thread_map(functools.partial(self._engine_pieces, bpe),
+                          [pieces[i:i + n] for i in range(0, len(pieces), n)])
         return np.concatenate([r[0] for r in runs]), np.concatenate([r[1] for r in runs])
 
-    def _engine_pieces(self, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        run = self._tiktoken_bpe().encode(pieces)  # type: ignore[union-attr]
+    def _engine_pieces(self, bpe: TiktokenBPE, pieces: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        run = bpe.encode(pieces)
         if run is None:
             return self._hf_pieces(pieces)
         flat, lens, unproven = run

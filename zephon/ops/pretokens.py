@@ -186,19 +186,13 @@ class PretokenCache:
             for i, ids in zip(mine, thread_map(whole, [texts[i] for i in mine])):
                 out[i] = ids
             todo = [i for i in todo if out[i] is None]
-            self.served += len(texts) - len(todo)
             self.whole += len(texts) - len(todo)
-            if not todo:
-                return out
-        if not self.active:
-            for i, ids in zip(todo, self.enc.encode([texts[i] for i in todo])):
-                out[i] = ids
-            return out
+            self.served += len(texts) - len(todo)
         mine = []
-        rest: list[int] = []  # documents for the tokenizer itself
+        rest: list[int] = []  # documents for the tokenizer itself (all of them once it stepped aside)
         pieces: list[str] = []
         counts: list[int] = []
-        split = self._split
+        split = self._split if self.active else lambda t: None
         for i in todo:
             t = texts[i]
             p = split(t)
