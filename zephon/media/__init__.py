@@ -1,0 +1,7 @@
+"""Images and vision-language data: header sizes, decoding, augmentation and packing as lane operators.
+
+Media are bytes fields like any other; everything here is an ordinary operator with an identity
+(decoder name and version included, since different decoders give different pixels) and draws
+its randomness from the data-derived generator, so the pixels of global batch k are the same at
+every D, runner and emitter.
+"""
