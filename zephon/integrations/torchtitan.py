@@ -223,7 +223,7 @@ class ZephonDataLoader(BaseDataLoader):
 def zephon_llama3_debugmodel() -> Any:
     """TorchTitan's Llama 3 debug model (`llama3_debugmodel`) reading through Zephon.
 
-    Pass your data with `--dataloader.paths a.jsonl b.jsonl --dataloader.weights 0.7 0.3` and a
+    Pass your data with `--dataloader.paths a.jsonl,b.jsonl --dataloader.weights 0.7 0.3` and a
     tokenizer directory with `--hf_assets_path`. The global batch is pinned (8 rows, =
     `training.global_batch_size`), so the same checkpoint resumes at dp = 1, 2 or 4 (local batch 2, accumulating the rest)."""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
