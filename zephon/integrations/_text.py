@@ -53,7 +53,7 @@ def open_text_source(path: str) -> RecordSource:
 def text_pipeline(*, paths: Sequence[str], fields: Sequence[str] | str, weights: Sequence[float] | None,
                   tokenizer: Any, bos: int | None, eos: int | None, seq_len: int, global_batch: int,
                   lanes: int, seed: int, infinite: bool, pack_mode: str = "concat",
-                  tokenizer_name: str | None = None) -> TextPipeline:
+                  tokenizer_name: str | None = None, mapping: str = "contiguous") -> TextPipeline:
     """Tokenize + mix by tokens + pack over `paths` (one source each); see the module doc."""
     if not paths:
         raise PlanError("no data files: give one or more JSONL/Parquet paths (one mixture component each).")
@@ -74,7 +74,7 @@ def text_pipeline(*, paths: Sequence[str], fields: Sequence[str] | str, weights:
         node = Source(len(src), id=i).shuffle(seed + i)
         children.append(node.repeat() if infinite else node)
     mixed = Mix(children, w, by="tokens") if n > 1 else children[0]
-    plan = mixed.lanes(lanes).batch(global_batch)
+    plan = mixed.lanes(lanes, mapping).batch(global_batch)  # type: ignore[arg-type]
     extra = {} if tokenizer_name is None else {"name": tokenizer_name}
     per_source = {i: [Tokenize(tokenizer, field=names[i], bos=bos, eos=eos, **extra)] for i in range(n)}
     return TextPipeline(plan, sources, [Pack(seq_len, pack_mode)], per_source)  # type: ignore[arg-type]
