@@ -1,0 +1,201 @@
+"""zephon.integrations.megatron against megatron-core 0.16 (the version that installs on Python 3.11).
+
+megatron-core ships `megatron.core` only: Megatron-LM's `megatron.training` (`pretrain()`,
+`build_pretraining_data_loader`, `MegatronPretrainingSampler`) is not in the wheel, and
+`pretrain()` needs CUDA. So the tests use megatron-core's parallel state on gloo and its
+`MockGPTDataset`, and restate the single sampler's index rule (Megatron-LM,
+megatron/training/datasets/data_samplers.py: from `consumed_samples`, chunks of
+`micro × dp` samples, rank r takes `[r·micro, (r+1)·micro)` of each) in `single_sampler`;
+for `--dataloader-type external`, `build_pretraining_data_loader` returns the provider's object
+unchanged, so the trainer's `next()` is the iterator's own.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import torch  # noqa: E402
+from _helpers import run_group  # noqa: E402
+
+from zephon.errors import PlanError  # noqa: E402
+
+WORKER = Path(__file__).with_name("_megatron_worker.py")
+GLOBAL, MICRO, SEQ, EOD = 8, 2, 32, 2  # as in the worker
+
+
+def single_sampler(consumed: int, micro: int, rank: int, dp: int):
+    """Megatron's `single` sampler's index math: each micro-batch of rank `rank` (drop_last)."""
+    start = consumed
+    while True:
+        yield list(range(start + rank * micro, start + (rank + 1) * micro))
+        start += micro * dp
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from zephon.demo.textdata import generate_corpus, train_bpe, write_jsonl
+
+    d = tmp_path_factory.mktemp("mg_data")
+    prose, code = generate_corpus(200, seed=1), generate_corpus(150, seed=2, style="code")
+    write_jsonl(str(d / "prose.jsonl"), prose)
+    write_jsonl(str(d / "code.jsonl"), code)
+    (d / "tok").mkdir()
+    train_bpe(prose + code, vocab_size=2000).save(str(d / "tok" / "tokenizer.json"))
+    return d
+
+
+@pytest.fixture(scope="module")
+def data(corpus):
+    from tokenizers import Tokenizer
+
+    from zephon.integrations.megatron import ZephonGPTData
+
+    return ZephonGPTData([str(corpus / "prose.jsonl"), str(corpus / "code.jsonl")], weights=[0.7, 0.3],
+                         tokenizer=Tokenizer.from_file(str(corpus / "tok" / "tokenizer.json")), seq_len=SEQ,
+                         global_batch_size=GLOBAL, micro_batch_size=MICRO, eod=EOD, create_attention_mask=True)
+
+
+@pytest.fixture(scope="module")
+def samples(data):
+    """The map-style dataset: global sample index → sample (the reference layout)."""
+    return data.dataset(10**6)
+
+
+def _expected(samples, indices, key="tokens"):
+    return torch.stack([samples[i][key] for i in indices])
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+@pytest.mark.parametrize("consumed", [0, 16, 24])
+def test_each_rank_gets_the_single_samplers_samples_from_the_count(data, samples, dp, consumed):
+    """At dp = 1, 2, 4, from sample 0 and resumed from a count (a resume across dp: the count
+    is all that is carried), every rank's micro-batches are the samples Megatron's single
+    sampler assigns it."""
+    for rank in range(dp):
+        it = data.iterator(consumed, rank, dp)
+        indices = single_sampler(consumed, MICRO, rank, dp)
+        for _ in range(3 * GLOBAL // (MICRO * dp)):  # three global batches
+            idx = next(indices)
+            batch = next(it)
+            for key in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask"):
+                assert torch.equal(batch[key], _expected(samples, idx, key)), (dp, consumed, rank, idx, key)
+        assert it.consumed_samples == consumed + 3 * GLOBAL
+
+
+def test_global_batches_do_not_depend_on_dp_and_differ_between_steps(data):
+    def global_batches(dp, consumed, steps):
+        its = [data.iterator(consumed, r, dp) for r in range(dp)]
+        out = []
+        for _ in range(steps):
+            chunks = [torch.cat([next(it)["tokens"] for it in its]) for _ in range(GLOBAL // (MICRO * dp))]
+            out.append(torch.cat(chunks))
+        return out
+
+    ref = global_batches(1, 0, 4)
+    assert not torch.equal(ref[0], ref[1])
+    for dp in (2, 4):
+        assert all(torch.equal(a, b) for a, b in zip(global_batches(dp, 0, 4), ref))
+        assert all(torch.equal(a, b) for a, b in zip(global_batches(dp, 2 * GLOBAL, 2), ref[2:]))
+
+
+def test_the_batch_contract_matches_megatrons_mock_gpt_dataset(data):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+
+    class Tok:  # what MockGPTDataset reads from a Megatron tokenizer
+        vocab_size, eod, pad, unique_identifiers = 2000, EOD, 0, {"class": "Tok"}
+
+    cfg = GPTDatasetConfig(random_seed=1, sequence_length=SEQ, reset_position_ids=True, reset_attention_mask=True,
+                           eod_mask_loss=True, create_attention_mask=True, tokenizer=Tok(), split="1,0,0")
+    mock = BlendedMegatronDatasetBuilder(MockGPTDataset, [8, None, None], lambda: True, cfg).build()[0]
+    theirs = torch.utils.data.default_collate([mock[i] for i in range(MICRO)])
+    ours = next(data.iterator(0, 0, 1))
+    assert set(theirs) <= set(ours) and set(ours) - set(theirs) == {"cu_seqlens", "max_seqlen"}
+    for key, value in theirs.items():
+        assert (ours[key].dtype, ours[key].shape) == (value.dtype, value.shape), key
+    # semantics: labels follow tokens within a document, the loss skips a document's last token,
+    # the mask is causal within documents, positions restart at each one
+    it, boundaries = data.iterator(0, 0, 1), 0
+    for _ in range(16):
+        b = next(it)
+        tokens, labels, mask, pos = b["tokens"], b["labels"], b["loss_mask"], b["position_ids"]
+        keep = mask[:, :-1] > 0
+        assert torch.equal(labels[:, :-1][keep], tokens[:, 1:][keep])
+        assert torch.equal(mask == 0, (tokens == EOD))  # concat packing: every row is full
+        starts = torch.nonzero(pos[:, 1:] == 0).tolist()
+        boundaries += len(starts)
+        for row, col in starts:  # token col+1 starts a document: it sees nothing before it
+            assert b["attention_mask"][row, 0, col + 1, : col + 1].all()
+            assert not b["attention_mask"][row, 0, col + 1, col + 1]
+        flat = torch.nonzero(pos.reshape(-1) == 0).reshape(-1).to(torch.int32)
+        rows = torch.arange(0, MICRO * SEQ + 1, SEQ, dtype=torch.int32)
+        assert torch.equal(b["cu_seqlens"], torch.unique(torch.cat([flat, rows])))
+    assert boundaries > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(corpus: Path, out: Path, consumed: int, steps: int, nproc: int = 2) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(WORKER), str(out), str(corpus),
+           str(consumed), str(steps)]
+    res = run_group(cmd, timeout=300, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
+
+
+def test_provider_under_megatron_parallel_state_on_gloo_resumes_at_another_dp(corpus, samples, tmp_path, data):
+    """Two processes, `initialize_model_parallel` on gloo (dp = 2): the provider's iterators
+    from sample 0 and from a count saved at dp = 1 (16 samples) hold the single sampler's
+    samples, and the dp = 2 global batches equal dp = 1's."""
+    fresh = _ranks(corpus, tmp_path / "fresh", 0, 3)
+    resumed = _ranks(corpus, tmp_path / "resumed", 2 * GLOBAL, 1)
+    one = data.iterator(0, 0, 1)
+    dp1 = [torch.cat([next(one)["tokens"] for _ in range(GLOBAL // MICRO)]) for _ in range(3)]
+    for run, consumed, steps in ((fresh, 0, 3), (resumed, 2 * GLOBAL, 1)):
+        assert [(r["dp"], r["rank"]) for r in run] == [(2, 0), (2, 1)]
+        for r in run:
+            assert r["consumed_after"] == consumed + steps * GLOBAL
+            for b, idx in zip(r["batches"], single_sampler(consumed, MICRO, r["rank"], 2)):
+                assert torch.equal(b["tokens"], _expected(samples, idx)), (consumed, r["rank"], idx)
+        for s in range(steps):  # Megatron's global batch: chunk by chunk, rank 0's slice then rank 1's
+            chunks = [run[k]["batches"][s * 2 + c]["tokens"] for c in range(2) for k in range(2)]
+            assert torch.equal(torch.cat(chunks), dp1[consumed // GLOBAL + s])
+
+
+def test_bad_counts_and_layouts_are_refused_with_the_rule(data):
+    with pytest.raises(PlanError, match="not a whole number of micro × dp"):
+        data.iterator(3, 0, 2)
+    with pytest.raises(PlanError, match="multiple of micro × dp"):
+        data.iterator(0, 0, 3)
+    from zephon.integrations.megatron import ZephonGPTData
+
+    with pytest.raises(PlanError, match="not a multiple of micro_batch_size"):
+        ZephonGPTData(["x.jsonl"], tokenizer=None, seq_len=8, global_batch_size=6, micro_batch_size=4)
+
+
+def test_provider_without_megatron_training_says_where_the_count_comes_from(data):
+    import importlib.util
+
+    from zephon.integrations.megatron import datasets_provider
+
+    if importlib.util.find_spec("megatron.training") is not None:
+        pytest.skip("Megatron-LM's megatron.training is installed here: the count comes from it")
+
+    provider = datasets_provider(data, data_parallel=lambda: (0, 1))
+    with pytest.raises(PlanError, match="consumed_samples="):
+        provider([8, 0, 0])
+    train, _, _ = datasets_provider(data, data_parallel=lambda: (0, 1), consumed_samples=lambda: 8)([8, 0, 0])
+    assert train.consumed_samples == 8
