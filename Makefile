@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e '.[all,test,lint,docs]'
+	$(PIP) install --quiet -c constraints.txt -e '.[all,test,lint,docs,torchtitan,megatron]'
 	touch $(STAMP)
 
 demo: $(STAMP)

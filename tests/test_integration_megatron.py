@@ -21,10 +21,10 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-import torch  # noqa: E402
-from _helpers import run_group  # noqa: E402
+import torch
+from _helpers import run_group
 
-from zephon.errors import PlanError  # noqa: E402
+from zephon.errors import PlanError
 
 WORKER = Path(__file__).with_name("_megatron_worker.py")
 GLOBAL, MICRO, SEQ, EOD = 8, 2, 32, 2  # as in the worker

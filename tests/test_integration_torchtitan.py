@@ -18,11 +18,11 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-import torch  # noqa: E402
-from _helpers import run_group  # noqa: E402
+import torch
+from _helpers import run_group
 
-from zephon.errors import PlanError, StateError  # noqa: E402
-from zephon.exec.state import merge_states  # noqa: E402
+from zephon.errors import PlanError, StateError
+from zephon.exec.state import merge_states
 
 WORKER = Path(__file__).with_name("_torchtitan_worker.py")
 SEQ, GLOBAL = 64, 4

@@ -75,6 +75,6 @@ def text_pipeline(*, paths: Sequence[str], fields: Sequence[str] | str, weights:
         children.append(node.repeat() if infinite else node)
     mixed = Mix(children, w, by="tokens") if n > 1 else children[0]
     plan = mixed.lanes(lanes, mapping).batch(global_batch)  # type: ignore[arg-type]
-    extra = {} if tokenizer_name is None else {"name": tokenizer_name}
+    extra: dict[str, Any] = {} if tokenizer_name is None else {"name": tokenizer_name}
     per_source = {i: [Tokenize(tokenizer, field=names[i], bos=bos, eos=eos, **extra)] for i in range(n)}
     return TextPipeline(plan, sources, [Pack(seq_len, pack_mode)], per_source)  # type: ignore[arg-type]

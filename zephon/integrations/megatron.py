@@ -24,7 +24,7 @@ Resuming from the count alone replays the packing of the global batches before i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,7 @@ from zephon.integrations._text import TextPipeline, text_pipeline
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ZephonGPTData", "ZephonGPTDataset", "MegatronBatches", "megatron_batch", "datasets_provider"]
+__all__ = ["MegatronBatches", "ZephonGPTData", "ZephonGPTDataset", "datasets_provider", "megatron_batch"]
 
 
 def megatron_batch(cols: Mapping[str, np.ndarray], *, create_attention_mask: bool = False,

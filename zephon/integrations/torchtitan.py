@@ -37,7 +37,7 @@ from zephon.integrations._text import text_pipeline
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ZephonDataLoader", "zephon_llama3_debugmodel", "tokenizer_encoder"]
+__all__ = ["ZephonDataLoader", "tokenizer_encoder", "zephon_llama3_debugmodel"]
 
 
 def tokenizer_encoder(tokenizer: Any, add_bos: bool, add_eos: bool) -> tuple[Any, int | None, int | None, str | None]:
@@ -225,7 +225,8 @@ def zephon_llama3_debugmodel() -> Any:
 
     Pass your data with `--dataloader.paths a.jsonl,b.jsonl --dataloader.weights 0.7 0.3` and a
     tokenizer directory with `--hf_assets_path`. The global batch is pinned (8 rows, =
-    `training.global_batch_size`), so the same checkpoint resumes at dp = 1, 2 or 4 (local batch 2, accumulating the rest)."""
+    `training.global_batch_size`), so the same checkpoint resumes at dp = 1, 2 or 4 (local
+    batch 2, accumulating the rest)."""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     config = llama3_debugmodel()
