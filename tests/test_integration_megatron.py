@@ -199,3 +199,13 @@ def test_provider_without_megatron_training_says_where_the_count_comes_from(data
         provider([8, 0, 0])
     train, _, _ = datasets_provider(data, data_parallel=lambda: (0, 1), consumed_samples=lambda: 8)([8, 0, 0])
     assert train.consumed_samples == 8
+
+
+def test_map_style_dataset_serves_indices_out_of_order(data, samples):
+    """A step back (re-reading, a second sampler) restarts from a kept position, same samples."""
+    fresh = data.dataset(10**6)
+    later, earlier = fresh[5 * GLOBAL + 3]["tokens"], fresh[GLOBAL + 1]["tokens"]
+    assert torch.equal(later, samples[5 * GLOBAL + 3]["tokens"])
+    assert torch.equal(earlier, samples[GLOBAL + 1]["tokens"])
+    with pytest.raises(IndexError):
+        fresh[10**6]

@@ -118,6 +118,7 @@ def test_trainer_resumes_a_dp2_checkpoint_at_another_dp_with_the_same_batches(co
     resumed = _resume(corpus, dp2_out, tmp_path, nproc, local_batch)
     accumulation = GLOBAL // (nproc * local_batch)
     assert [[int(b["step"]) for b in r] for r in resumed] == [[3] * accumulation + [4] * accumulation] * nproc
+    assert not torch.equal(_global(resumed, 3, "input"), _global(uninterrupted, 1, "input"))  # not a restart
     for step in (3, 4):
         for key in ("input", "positions", "labels"):
             assert torch.equal(_global(resumed, step, key), _global(uninterrupted, step, key)), (step, key)
@@ -240,3 +241,8 @@ def test_the_config_function_parses_from_torchtitans_command_line(corpus):
     assert isinstance(cfg.dataloader, ZephonDataLoader.Config)
     assert cfg.dataloader.paths == ["a.jsonl", "b.jsonl"] and cfg.dataloader.weights == [0.7, 0.3]
     assert cfg.dataloader.global_batch_size == cfg.training.global_batch_size == 8
+
+
+def test_tokenizing_in_threads_changes_nothing(corpus, tokenizer):
+    ref = _steps(_loaders(corpus, tokenizer, 2, 2), 3)
+    assert all(torch.equal(a, b) for a, b in zip(_steps(_loaders(corpus, tokenizer, 2, 2, threads=2), 3), ref))
