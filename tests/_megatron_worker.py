@@ -5,6 +5,12 @@ Run by tests/test_integration_megatron.py under torchrun: `python -m torch.distr
 train iterator through `datasets_provider` (dp rank and size from
 `parallel_state.get_data_parallel_rank/world_size()` after `initialize_model_parallel`), takes
 STEPS global batches of micro-batches and saves them to OUT/rank{r}.pt.
+
+The iterator goes through Megatron's own `build_pretraining_data_loader(dataset,
+consumed_samples, "external", ...)` (Megatron-Bridge 0.3.1's copy of Megatron's samplers module,
+loaded by tests/_megatron_samplers.py) and is wrapped in megatron-core's `RerunDataIterator`,
+as Megatron-LM's `build_train_valid_test_data_iterators` does for `--dataloader-type external`;
+the batches are what the trainer's `next(data_iterator)` returns.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import _megatron_samplers
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.rerun_state_machine import RerunDataIterator
 from tokenizers import Tokenizer
 
 from zephon.integrations.megatron import ZephonGPTData, datasets_provider
@@ -30,12 +38,20 @@ def main() -> None:
                          tokenizer=Tokenizer.from_file(str(data_dir / "tok" / "tokenizer.json")), seq_len=SEQ,
                          global_batch_size=GLOBAL, micro_batch_size=MICRO, eod=EOD, create_attention_mask=True)
     provider = datasets_provider(data, consumed_samples=lambda: consumed)
-    train, valid, test = provider([10**6, 0, 0])
-    assert valid is None and test is None
+    train_ds, valid_ds, test_ds = provider([10**6, 0, 0])
+    assert valid_ds is None and test_ds is None
     dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    samplers = _megatron_samplers.load()
+    loader = samplers.build_pretraining_data_loader(
+        train_ds, consumed, "external", MICRO, num_workers=0, data_sharding=False,
+        data_parallel_rank=rank, data_parallel_size=dp, global_batch_size=GLOBAL)
+    assert samplers.build_pretraining_data_loader(
+        valid_ds, 0, "external", MICRO, num_workers=0, data_sharding=False) is None
+    train = RerunDataIterator(loader)
     micro = GLOBAL // (MICRO * dp)
     batches = [next(train) for _ in range(steps * micro)]
-    torch.save({"dp": dp, "rank": rank, "consumed_after": train.consumed_samples, "batches": batches},
+    torch.save({"dp": dp, "rank": rank, "consumed_after": loader.consumed_samples,
+                "external_is_provider_output": loader is train_ds, "batches": batches},
                out / f"rank{dist.get_rank()}.pt")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

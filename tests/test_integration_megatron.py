@@ -1,13 +1,11 @@
-"""zephon.integrations.megatron against megatron-core 0.16 (the version that installs on Python 3.11).
+"""zephon.integrations.megatron against Megatron's own code on CPU.
 
-megatron-core ships `megatron.core` only: Megatron-LM's `megatron.training` (`pretrain()`,
-`build_pretraining_data_loader`, `MegatronPretrainingSampler`) is not in the wheel, and
-`pretrain()` needs CUDA. So the tests use megatron-core's parallel state on gloo and its
-`MockGPTDataset`, and restate the single sampler's index rule (Megatron-LM,
-megatron/training/datasets/data_samplers.py: from `consumed_samples`, chunks of
-`micro × dp` samples, rank r takes `[r·micro, (r+1)·micro)` of each) in `single_sampler`;
-for `--dataloader-type external`, `build_pretraining_data_loader` returns the provider's object
-unchanged, so the trainer's `next()` is the iterator's own.
+Which Megatron code runs here: megatron-core 0.16.1 (the version that installs on Python 3.11)
+for `parallel_state` on gloo and `MockGPTDataset`, and Megatron's data samplers as Megatron-Bridge
+0.3.1 ships them (`megatron/bridge/data/samplers.py`: `build_pretraining_data_loader`,
+`MegatronPretrainingSampler`), loaded by file path by tests/_megatron_samplers.py because the
+megatron-core wheel has no `megatron.training` and Megatron-Bridge's package `__init__` imports
+transformers. `pretrain()` does not run: it is CUDA-only.
 """
 
 from __future__ import annotations
@@ -21,8 +19,13 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+import _megatron_samplers
 import torch
 from _helpers import run_group
+
+if _megatron_samplers.samplers_path() is None:
+    pytest.skip("Megatron's samplers (megatron-bridge, installed --no-deps by the Makefile) are missing",
+                allow_module_level=True)
 
 from zephon.errors import PlanError
 
@@ -30,12 +33,24 @@ WORKER = Path(__file__).with_name("_megatron_worker.py")
 GLOBAL, MICRO, SEQ, EOD = 8, 2, 32, 2  # as in the worker
 
 
-def single_sampler(consumed: int, micro: int, rank: int, dp: int):
-    """Megatron's `single` sampler's index math: each micro-batch of rank `rank` (drop_last)."""
-    start = consumed
-    while True:
-        yield list(range(start + rank * micro, start + (rank + 1) * micro))
-        start += micro * dp
+TOTAL = 10**6  # samples the map-style dataset and Megatron's sampler see
+
+
+def megatron_sampler(consumed: int, micro: int, rank: int, dp: int):
+    """Megatron's own `MegatronPretrainingSampler` (the `single` dataloader type): the sample
+    indices of each of rank `rank`'s micro-batches from `consumed` on."""
+    samplers = _megatron_samplers.load()
+    return iter(samplers.MegatronPretrainingSampler(total_samples=TOTAL, consumed_samples=consumed,
+                                                    micro_batch_size=micro, data_parallel_rank=rank,
+                                                    data_parallel_size=dp))
+
+
+def test_megatrons_sampler_is_the_chunked_layout():
+    """What the layout tests hold the iterators to: from the count, chunks of micro × dp, rank r
+    takes `[r·micro, (r+1)·micro)` of each (so a wrong rank order or a contiguous split fails)."""
+    assert [next(megatron_sampler(16, 2, r, 2)) for r in range(2)] == [[16, 17], [18, 19]]
+    it = megatron_sampler(24, 2, 3, 4)
+    assert [next(it), next(it)] == [[30, 31], [38, 39]]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +80,7 @@ def data(corpus):
 @pytest.fixture(scope="module")
 def samples(data):
     """The map-style dataset: global sample index → sample (the reference layout)."""
-    return data.dataset(10**6)
+    return data.dataset(TOTAL)
 
 
 def _expected(samples, indices, key="tokens"):
@@ -78,15 +93,21 @@ def test_each_rank_gets_the_single_samplers_samples_from_the_count(data, samples
     """At dp = 1, 2, 4, from sample 0 and resumed from a count (a resume across dp: the count
     is all that is carried), every rank's micro-batches are the samples Megatron's single
     sampler assigns it."""
+    seen = []
     for rank in range(dp):
         it = data.iterator(consumed, rank, dp)
-        indices = single_sampler(consumed, MICRO, rank, dp)
+        indices = megatron_sampler(consumed, MICRO, rank, dp)
         for _ in range(3 * GLOBAL // (MICRO * dp)):  # three global batches
             idx = next(indices)
             batch = next(it)
             for key in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask"):
                 assert torch.equal(batch[key], _expected(samples, idx, key)), (dp, consumed, rank, idx, key)
+            seen += idx
         assert it.consumed_samples == consumed + 3 * GLOBAL
+    # the ranks together cover the three global batches after the count, each sample once, and the
+    # samples differ (so a rank holding another rank's rows could not pass)
+    assert sorted(seen) == list(range(consumed, consumed + 3 * GLOBAL))
+    assert len({tuple(samples[i]["tokens"].tolist()) for i in seen}) == len(seen)
 
 
 def test_global_batches_do_not_depend_on_dp_and_differ_between_steps(data):
@@ -157,18 +178,21 @@ def _ranks(corpus: Path, out: Path, consumed: int, steps: int, nproc: int = 2) -
 
 
 def test_provider_under_megatron_parallel_state_on_gloo_resumes_at_another_dp(corpus, samples, tmp_path, data):
-    """Two processes, `initialize_model_parallel` on gloo (dp = 2): the provider's iterators
-    from sample 0 and from a count saved at dp = 1 (16 samples) hold the single sampler's
-    samples, and the dp = 2 global batches equal dp = 1's."""
+    """Two processes, `initialize_model_parallel` on gloo (dp = 2), the provider's iterators
+    passed through Megatron's `build_pretraining_data_loader(..., consumed_samples, "external")`
+    and `RerunDataIterator`: from sample 0 and from a count saved at dp = 1 (16 samples) they
+    hold the samples `MegatronPretrainingSampler` assigns each rank, and the dp = 2 global
+    batches equal dp = 1's."""
     fresh = _ranks(corpus, tmp_path / "fresh", 0, 3)
     resumed = _ranks(corpus, tmp_path / "resumed", 2 * GLOBAL, 1)
     one = data.iterator(0, 0, 1)
     dp1 = [torch.cat([next(one)["tokens"] for _ in range(GLOBAL // MICRO)]) for _ in range(3)]
     for run, consumed, steps in ((fresh, 0, 3), (resumed, 2 * GLOBAL, 1)):
         assert [(r["dp"], r["rank"]) for r in run] == [(2, 0), (2, 1)]
+        assert all(r["external_is_provider_output"] for r in run)
         for r in run:
             assert r["consumed_after"] == consumed + steps * GLOBAL
-            for b, idx in zip(r["batches"], single_sampler(consumed, MICRO, r["rank"], 2)):
+            for b, idx in zip(r["batches"], megatron_sampler(consumed, MICRO, r["rank"], 2)):
                 assert torch.equal(b["tokens"], _expected(samples, idx)), (consumed, r["rank"], idx)
         for s in range(steps):  # Megatron's global batch: chunk by chunk, rank 0's slice then rank 1's
             chunks = [run[k]["batches"][s * 2 + c]["tokens"] for c in range(2) for k in range(2)]
