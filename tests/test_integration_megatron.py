@@ -110,6 +110,32 @@ def test_each_rank_gets_the_single_samplers_samples_from_the_count(data, samples
     assert len({tuple(samples[i]["tokens"].tolist()) for i in seen}) == len(seen)
 
 
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_map_style_dataset_under_megatrons_single_dataloader(data, dp):
+    """The map-style variant with Megatron's own `build_pretraining_data_loader(dataset,
+    consumed, "single", ...)` (its sampler and a torch DataLoader with default collate): each
+    rank's micro-batches equal the external iterator's, resumed from a count, and the padded
+    per-sample `cu_seqlens` collate (rows with different document counts) and cut back at
+    `cu_seqlens_argmin` to the iterator's boundaries."""
+    samplers = _megatron_samplers.load()
+    consumed, steps, multi_doc_rows = 24, 4, 0
+    for rank in range(dp):
+        loader = samplers.build_pretraining_data_loader(
+            data.dataset(TOTAL), consumed, "single", MICRO, num_workers=0, data_sharding=False,
+            pin_memory=False, data_parallel_rank=rank, data_parallel_size=dp)
+        it = data.iterator(consumed, rank, dp)
+        for theirs, _ in zip(loader, range(steps * GLOBAL // (MICRO * dp))):
+            ours = next(it)
+            for key in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask"):
+                assert torch.equal(theirs[key], ours[key]), (dp, rank, key)
+            assert theirs["cu_seqlens"].shape == (MICRO, SEQ + 2)
+            rows = [theirs["cu_seqlens"][j, : theirs["cu_seqlens_argmin"][j]] + j * SEQ for j in range(MICRO)]
+            assert torch.equal(torch.unique(torch.cat(rows)), ours["cu_seqlens"])
+            assert (theirs["cu_seqlens"][:, -1] == -1).all()
+            multi_doc_rows += int((theirs["cu_seqlens_argmin"] > 2).sum())
+    assert multi_doc_rows > 0  # some rows held several documents: their cu_seqlens lengths differ
+
+
 def test_global_batches_do_not_depend_on_dp_and_differ_between_steps(data):
     def global_batches(dp, consumed, steps):
         its = [data.iterator(consumed, r, dp) for r in range(dp)]

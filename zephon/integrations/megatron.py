@@ -151,6 +151,10 @@ class MegatronBatches:
 class ZephonGPTDataset(torch.utils.data.Dataset):
     """Map-style: `dataset[i]` is global sample `i` as one unbatched sample dict (GPTDataset's).
 
+    Its `cu_seqlens` are the sample's own document boundaries padded with -1 to `seq_len + 2`
+    entries, `cu_seqlens_argmin` the number of valid ones (fixed shapes, so Megatron's
+    DataLoader collates them; Megatron-Bridge's `get_packed_seq_params` reads this layout).
+
     For users who keep Megatron's samplers (`--dataloader-type single`). It cannot know which
     rows a sampler will ask for, so each process computes whole global batches (every lane,
     world = 1) and keeps the current one; indices are expected in increasing order, as the
@@ -194,8 +198,14 @@ class ZephonGPTDataset(torch.utils.data.Dataset):
         assert self._rows is not None
         one = megatron_batch({k: v[row:row + 1] for k, v in self._rows.items()}, **self.data.options)
         out = {k: v[0] for k, v in one.items() if k not in ("cu_seqlens", "max_seqlen")}
+        # one row's own document boundaries, padded with -1 to a fixed S + 2 so that a DataLoader's
+        # default collate can stack samples with different document counts (Megatron-Bridge's
+        # packed-sequence convention: `cu_seqlens_argmin` = the number of valid entries)
         cu = one["cu_seqlens"]
-        out["cu_seqlens"], out["max_seqlen"] = cu, one["max_seqlen"]  # one row: its own boundaries
+        padded = torch.full((self.data.seq_len + 2,), -1, dtype=torch.int32)
+        padded[: len(cu)] = cu
+        out["cu_seqlens"], out["cu_seqlens_argmin"] = padded, torch.tensor(len(cu), dtype=torch.int64)
+        out["max_seqlen"] = one["max_seqlen"]
         return out
 
 
