@@ -259,3 +259,76 @@ def test_map_style_dataset_serves_indices_out_of_order(data, samples):
     assert torch.equal(earlier, samples[GLOBAL + 1]["tokens"])
     with pytest.raises(IndexError):
         fresh[10**6]
+
+
+def _tokenizer(corpus):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(corpus / "tok" / "tokenizer.json"))
+
+
+def _tokens(it, n):
+    return [next(it)["tokens"] for _ in range(n)]
+
+
+def test_saved_states_shorten_the_resume_and_change_no_batch(data, tmp_path):
+    """With `state_dir`, dp = 2 saves each rank's state every 2 global batches; a resume from
+    the count at dp = 1 and 4 (on a step boundary and inside a step) restores the nearest saved
+    state and replays only the rest, and its batches equal a resume by full replay."""
+    from zephon.checkpoint import load_state
+
+    state_dir = tmp_path / "states"
+    per_rank = GLOBAL // (MICRO * 2)
+    writers = [data.iterator(0, r, 2, state_dir=state_dir, save_every=2) for r in range(2)]
+    for _ in range(5):  # five global batches: snapshots at samples 16 and 32 (before steps 2 and 4)
+        for it in writers:
+            _tokens(it, per_rank)
+    assert sorted(p.name for p in state_dir.iterdir()) == ["samples-000000000000016", "samples-000000000000032"]
+    assert load_state(state_dir / "samples-000000000000032" / "rank-00001-of-00002.json")["step"] == 4
+    for dp in (1, 4):
+        for consumed in (5 * GLOBAL, 4 * GLOBAL + MICRO * dp):
+            for rank in range(dp):
+                fast = data.iterator(consumed, rank, dp, state_dir=state_dir, save_every=2)
+                slow = data.iterator(consumed, rank, dp)
+                assert (fast.restored_from, fast.replayed) == (4 * GLOBAL, consumed // GLOBAL - 4), (dp, consumed)
+                assert (slow.restored_from, slow.replayed) == (0, consumed // GLOBAL)
+                n = 2 * GLOBAL // (MICRO * dp)
+                assert all(torch.equal(a, b) for a, b in zip(_tokens(fast, n), _tokens(slow, n))), (dp, rank)
+
+
+def test_a_partial_or_damaged_snapshot_falls_back_to_an_older_one(data, corpus, tmp_path):
+    """Snapshots are a cache: rank 1's missing file at sample 32 sends the dp = 4 ranks that need
+    its lanes back to sample 16 (the others still use 32), a damaged file is skipped, and the
+    batches stay those of a full replay; a directory of other data is refused."""
+    from zephon.errors import StateError
+    from zephon.integrations.megatron import ZephonGPTData
+
+    state_dir = tmp_path / "states"
+    writers = [data.iterator(0, r, 2, state_dir=state_dir, save_every=2) for r in range(2)]
+    for _ in range(5):
+        for it in writers:
+            _tokens(it, GLOBAL // (MICRO * 2))
+    (state_dir / "samples-000000000000032" / "rank-00001-of-00002.json").unlink()
+    damaged = state_dir / "samples-000000000000016" / "rank-00000-of-00002.json"
+    restored = {}
+    for rank in range(4):
+        fast = data.iterator(5 * GLOBAL, rank, 4, state_dir=state_dir, save_every=2)
+        restored[rank] = fast.restored_from
+        assert torch.equal(next(fast)["tokens"], next(data.iterator(5 * GLOBAL, rank, 4))["tokens"])
+    # interleaved lanes: at dp = 2 rank 0 held lanes 0 and 2, rank 1 lanes 1 and 3; at dp = 4 rank r holds lane r
+    assert restored == {0: 32, 1: 16, 2: 32, 3: 16}
+    text = damaged.read_text()
+    assert '"step": 2' in text
+    damaged.write_text(text.replace('"step": 2', '"step": 3'))  # fails its checksum: skipped
+    assert data.iterator(5 * GLOBAL, 1, 4, state_dir=state_dir, save_every=2).restored_from == 16  # intact file
+    assert data.iterator(5 * GLOBAL, 0, 4, state_dir=state_dir, save_every=2).restored_from == 32
+    (state_dir / "samples-000000000000032" / "rank-00000-of-00002.json").unlink()
+    assert data.iterator(5 * GLOBAL, 0, 4, state_dir=state_dir, save_every=2).restored_from == 0  # full replay
+
+    other = ZephonGPTData([str(corpus / "prose.jsonl"), str(corpus / "code.jsonl")], weights=[0.7, 0.3],
+                          tokenizer=_tokenizer(corpus),
+                          seq_len=SEQ, global_batch_size=GLOBAL, micro_batch_size=MICRO, eod=EOD, seed=7)
+    with pytest.raises(StateError, match="separate snapshot directory"):
+        other.iterator(5 * GLOBAL, 1, 4, state_dir=state_dir)
+    with pytest.raises(PlanError, match="positive number of global batches"):
+        data.iterator(0, 0, 1, state_dir=state_dir, save_every=0)

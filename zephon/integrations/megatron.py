@@ -18,12 +18,15 @@ boundaries of the micro-batch flattened to one `micro × S` sequence, THD layout
 `max_seqlen`) for inter-document masking with `PackedSeqParams(qkv_format="thd")`.
 
 Resuming from the count alone replays the packing of the global batches before it on each rank
-(its own lanes only: 1/dp of the work), since Megatron's checkpoint holds no data state.
+(its own lanes only: 1/dp of the work), since Megatron's checkpoint holds no data state. With
+`state_dir` (opt-in) the ranks also save their Zephon states by sample count and a resume
+replays only from the nearest one (`zephon.integrations.snapshots`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +36,7 @@ import torch
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
 from zephon.integrations._text import TextPipeline, text_pipeline
+from zephon.integrations.snapshots import StateSnapshots
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +101,17 @@ class ZephonGPTData:
         args, options = self.pipeline.loader_args()
         return Loader(*args, rank=rank, world=world, **options)
 
-    def iterator(self, consumed_samples: int, dp_rank: int, dp_size: int) -> MegatronBatches:
-        """Rank `dp_rank`'s micro-batches from `consumed_samples` on (the single sampler's layout)."""
-        return MegatronBatches(self, consumed_samples, dp_rank, dp_size)
+    def iterator(self, consumed_samples: int, dp_rank: int, dp_size: int, *,
+                 state_dir: str | os.PathLike[str] | None = None, save_every: int = 100) -> MegatronBatches:
+        """Rank `dp_rank`'s micro-batches from `consumed_samples` on (the single sampler's layout).
+
+        With `state_dir`, the iterator saves this rank's Zephon state there every `save_every`
+        global batches and starts from the newest saved state at or before the count, replaying
+        only the batches after it (`zephon.integrations.snapshots`); the batches are the same.
+        """
+        snapshots = (None if state_dir is None else
+                     StateSnapshots(state_dir, global_batch_size=self.global_batch_size, every=save_every))
+        return MegatronBatches(self, consumed_samples, dp_rank, dp_size, snapshots=snapshots)
 
     def dataset(self, num_samples: int) -> ZephonGPTDataset:
         """The map-style variant: sample `i` for Megatron's own samplers."""
@@ -109,7 +121,8 @@ class ZephonGPTData:
 class MegatronBatches:
     """An iterator of one dp rank's micro-batches (Megatron's `external` data iterator)."""
 
-    def __init__(self, data: ZephonGPTData, consumed_samples: int, dp_rank: int, dp_size: int) -> None:
+    def __init__(self, data: ZephonGPTData, consumed_samples: int, dp_rank: int, dp_size: int, *,
+                 snapshots: StateSnapshots | None = None) -> None:
         mbs, g = data.micro_batch_size, data.global_batch_size
         if dp_size < 1 or not 0 <= dp_rank < dp_size or g % (mbs * dp_size):
             raise PlanError(f"dp rank {dp_rank} of {dp_size} with micro batch {mbs}: the global batch {g} "
@@ -122,13 +135,19 @@ class MegatronBatches:
         self.micro_batches = g // (mbs * dp_size)
         step, offset = divmod(self.consumed_samples, g)
         self.loader = data.loader(dp_rank, dp_size)
-        for _ in range(step):  # Megatron keeps no data state: replay this rank's lanes up to here
+        self.snapshots = snapshots
+        #: the consumed-sample count of the saved state this iterator started from (0: none)
+        self.restored_from = snapshots.restore(self.loader, step * g) if snapshots is not None and step else 0
+        #: global batches packed again to reach `consumed_samples` (Megatron keeps no data state)
+        self.replayed = step - self.loader.step
+        for _ in range(self.replayed):  # this rank's lanes only
             next(self.loader)
         self._micro = offset // (mbs * dp_size)
         self._rows: Mapping[str, np.ndarray] | None = None
         if step:
-            log.info("zephon megatron: rank %d/%d replayed %d global batches to sample %d",
-                     dp_rank, dp_size, step, self.consumed_samples)
+            log.info("zephon megatron: rank %d/%d replayed %d global batches to sample %d (from a saved "
+                     "state at sample %d)", dp_rank, dp_size, self.replayed, self.consumed_samples,
+                     self.restored_from)
 
     def __iter__(self) -> MegatronBatches:
         return self
@@ -137,6 +156,8 @@ class MegatronBatches:
         if self._rows is None or self._micro >= self.micro_batches:
             if self._rows is not None:
                 self._micro = 0
+            if self.snapshots is not None:
+                self.snapshots.save(self.loader, self.dp_rank, self.dp_size)
             self._rows = next(self.loader).data
         mbs = self.data.micro_batch_size
         rows = slice(self._micro * mbs, (self._micro + 1) * mbs)  # lane micro·dp + rank: chunk `micro`
@@ -221,7 +242,8 @@ def _megatron_consumed() -> int:
 
 def datasets_provider(train: ZephonGPTData, valid: ZephonGPTData | None = None, *,
                       consumed_samples: Callable[[], int] | None = None,
-                      data_parallel: Callable[[], tuple[int, int]] | None = None
+                      data_parallel: Callable[[], tuple[int, int]] | None = None,
+                      state_dir: str | os.PathLike[str] | None = None, save_every: int = 100,
                       ) -> Callable[[Sequence[int]], tuple[Any, Any, Any]]:
     """A `train_valid_test_datasets_provider` for `--dataloader-type external`.
 
@@ -229,6 +251,9 @@ def datasets_provider(train: ZephonGPTData, valid: ZephonGPTData | None = None, 
     starting at `consumed_train_samples` (from `megatron.training.get_args()` unless
     `consumed_samples` is given), a validation iterator from sample 0 (or None) and None for
     test. The dp rank and size come from `megatron.core.parallel_state` (or `data_parallel`).
+    `state_dir` (opt-in, shared by all ranks): the train iterator saves its Zephon state there
+    every `save_every` global batches and a resume replays only the batches after the newest
+    one at or before the count (see `ZephonGPTData.iterator`).
     """
 
     def provider(train_val_test_num_samples: Sequence[int]) -> tuple[Any, Any, Any]:
@@ -239,7 +264,7 @@ def datasets_provider(train: ZephonGPTData, valid: ZephonGPTData | None = None, 
 
             rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         consumed = consumed_samples() if consumed_samples is not None else _megatron_consumed()
-        return (train.iterator(consumed, rank, size),
+        return (train.iterator(consumed, rank, size, state_dir=state_dir, save_every=save_every),
                 None if valid is None else valid.iterator(0, rank, size), None)
 
     return provider
