@@ -193,11 +193,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ranks(corpus: Path, out: Path, consumed: int, steps: int, nproc: int = 2) -> list[dict]:
+def _ranks(corpus: Path, out: Path, consumed: int, steps: int, nproc: int = 2, state_dir: Path | None = None
+           ) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(WORKER), str(out), str(corpus),
-           str(consumed), str(steps)]
+           str(consumed), str(steps), *([str(state_dir)] if state_dir else [])]
     res = run_group(cmd, timeout=300, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
@@ -208,9 +209,15 @@ def test_provider_under_megatron_parallel_state_on_gloo_resumes_at_another_dp(co
     passed through Megatron's `build_pretraining_data_loader(..., consumed_samples, "external")`
     and `RerunDataIterator`: from sample 0 and from a count saved at dp = 1 (16 samples) they
     hold the samples `MegatronPretrainingSampler` assigns each rank, and the dp = 2 global
-    batches equal dp = 1's."""
-    fresh = _ranks(corpus, tmp_path / "fresh", 0, 3)
+    batches equal dp = 1's. With a `state_dir` the fresh run saves its states and a resume from
+    the count restores one and replays nothing, with the same batches as the full replay."""
+    fresh = _ranks(corpus, tmp_path / "fresh", 0, 3, state_dir=tmp_path / "states")
     resumed = _ranks(corpus, tmp_path / "resumed", 2 * GLOBAL, 1)
+    restored = _ranks(corpus, tmp_path / "restored", 2 * GLOBAL, 1, state_dir=tmp_path / "states")
+    assert [(r["restored_from"], r["replayed"]) for r in resumed] == [(0, 2), (0, 2)]
+    assert [(r["restored_from"], r["replayed"]) for r in restored] == [(2 * GLOBAL, 0), (2 * GLOBAL, 0)]
+    for a, b in zip(resumed, restored):
+        assert all(torch.equal(x["tokens"], y["tokens"]) for x, y in zip(a["batches"], b["batches"], strict=True))
     one = data.iterator(0, 0, 1)
     dp1 = [torch.cat([next(one)["tokens"] for _ in range(GLOBAL // MICRO)]) for _ in range(3)]
     for run, consumed, steps in ((fresh, 0, 3), (resumed, 2 * GLOBAL, 1)):
@@ -332,3 +339,32 @@ def test_a_partial_or_damaged_snapshot_falls_back_to_an_older_one(data, corpus, 
         other.iterator(5 * GLOBAL, 1, 4, state_dir=state_dir)
     with pytest.raises(PlanError, match="positive number of global batches"):
         data.iterator(0, 0, 1, state_dir=state_dir, save_every=0)
+
+
+def test_saved_states_in_object_storage(data, monkeypatch):
+    """The same on `s3://` (a local SeaweedFS server): one PUT per state, listed to resume."""
+    from zephon import storage
+    from zephon.testing.object_servers import create_bucket, start_seaweedfs
+
+    s3 = start_seaweedfs()
+    try:
+        for key, value in s3.env.items():
+            monkeypatch.setenv(key, value)
+        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+            monkeypatch.delenv(key, raising=False)
+        storage.reset()
+        create_bucket(s3, "zephon-test")
+        state_dir = "s3://zephon-test/run/zephon"
+        writers = [data.iterator(0, r, 2, state_dir=state_dir, save_every=2) for r in range(2)]
+        for _ in range(5):
+            for it in writers:
+                _tokens(it, GLOBAL // (MICRO * 2))
+        names = [url.rsplit("/", 2)[-2] for url, _ in storage.list_objects(state_dir + "/")]
+        assert names == ["samples-000000000000016"] * 2 + ["samples-000000000000032"] * 2
+        fast, slow = data.iterator(5 * GLOBAL, 3, 4, state_dir=state_dir), data.iterator(5 * GLOBAL, 3, 4)
+        assert (fast.restored_from, fast.replayed) == (4 * GLOBAL, 1)
+        assert torch.equal(next(fast)["tokens"], next(slow)["tokens"])
+    finally:
+        s3.stop()
+        monkeypatch.undo()
+        storage.reset()
