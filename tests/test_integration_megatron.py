@@ -278,7 +278,7 @@ def _tokens(it, n):
     return [next(it)["tokens"] for _ in range(n)]
 
 
-def test_saved_states_shorten_the_resume_and_change_no_batch(data, tmp_path):
+def test_saved_states_shorten_the_resume_and_change_no_batch(data, tmp_path, monkeypatch):
     """With `state_dir`, dp = 2 saves each rank's state every 2 global batches; a resume from
     the count at dp = 1 and 4 (on a step boundary and inside a step) restores the nearest saved
     state and replays only the rest, and its batches equal a resume by full replay."""
@@ -292,6 +292,13 @@ def test_saved_states_shorten_the_resume_and_change_no_batch(data, tmp_path):
             _tokens(it, per_rank)
     assert sorted(p.name for p in state_dir.iterdir()) == ["samples-000000000000016", "samples-000000000000032"]
     assert load_state(state_dir / "samples-000000000000032" / "rank-00001-of-00002.json")["step"] == 4
+    import zephon.integrations.snapshots as snapshots
+
+    read = []
+    monkeypatch.setattr(snapshots, "load_state", lambda path: read.append(path) or load_state(path))
+    assert data.iterator(5 * GLOBAL, 3, 4, state_dir=state_dir).restored_from == 4 * GLOBAL
+    assert [p.rsplit("/", 2)[-2:] for p in map(str, read)] == [["samples-000000000000032", "rank-00001-of-00002.json"]]
+    monkeypatch.undo()  # rank 3 of 4 holds lane 3, which rank 1 of 2 saved: the one file it reads
     for dp in (1, 4):
         for consumed in (5 * GLOBAL, 4 * GLOBAL + MICRO * dp):
             for rank in range(dp):

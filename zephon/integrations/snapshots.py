@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 __all__ = ["StateSnapshots"]
 
 _DIR = re.compile(r"^samples-(\d+)$")
-_FILE = re.compile(r"^rank-\d+-of-\d+\.json$")
+_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.json$")
 
 
 class StateSnapshots:
@@ -74,7 +74,7 @@ class StateSnapshots:
         return path
 
     def _listing(self) -> dict[int, list[str]]:
-        """count → the state files under it."""
+        """count → the state files under it (local folders are listed when examined: see `_files`)."""
         out: dict[int, list[str]] = {}
         if self.remote:
             from zephon.storage import list_objects
@@ -88,11 +88,41 @@ class StateSnapshots:
         for name in os.listdir(self.directory):
             m = _DIR.match(name)
             if m and os.path.isdir(os.path.join(self.directory, name)):
-                files = [os.path.join(self.directory, name, f) for f in sorted(os.listdir(
-                    os.path.join(self.directory, name))) if _FILE.match(f)]
-                if files:
-                    out[int(m.group(1))] = files
+                out[int(m.group(1))] = []
         return out
+
+    def _files(self, listing: dict[int, list[str]], count: int) -> list[str]:
+        if self.remote:
+            return listing[count]
+        d = self._name(count)
+        try:
+            return [f"{d}/{f}" for f in sorted(os.listdir(d)) if _FILE.match(f)]
+        except FileNotFoundError:  # deleted meanwhile
+            return []
+
+    @staticmethod
+    def _holding(loader: Loader, files: list[str]) -> list[str]:
+        """The files (by their rank-r-of-dp names) that together hold the lanes `loader` owns:
+        a rank reads dp_old / dp_new files, not all of them. Fewer degrees first."""
+        mine = {int(lane) for lane in loader.owned}
+        named = []
+        for f in files:
+            m = _FILE.match(f.rsplit("/", 1)[-1])
+            assert m is not None
+            rank, world = int(m.group(1)), int(m.group(2))
+            try:
+                theirs = {int(lane) for lane in loader.plan.lanes.owned(rank, world)}
+            except PlanError:  # a degree this plan cannot have: not this data's file
+                continue
+            if theirs & mine:
+                named.append((world, rank, f, theirs))
+        pick: list[str] = []
+        covered: set[int] = set()
+        for _, _, f, theirs in sorted(named):
+            if not theirs <= covered:
+                pick.append(f)
+                covered |= theirs
+        return pick
 
     def _merged(self, files: list[str]) -> dict[str, Any] | None:
         states = []
@@ -118,7 +148,7 @@ class StateSnapshots:
         for saved in sorted((c for c in listing if c <= count), reverse=True):
             if saved % self.global_batch_size:
                 continue
-            state = self._merged(listing[saved])
+            state = self._merged(self._holding(loader, self._files(listing, saved)))
             if state is None:
                 continue
             lanes = state.get("lanes")
