@@ -13,7 +13,12 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e '.[all,test,lint,docs]'
+	$(PIP) install --quiet -c constraints.txt -e '.[all,test,lint,docs,torchtitan,megatron]'
+	# Megatron's own samplers and build_pretraining_data_loader for tests/test_integration_megatron.py
+	# (megatron-core's wheel has no megatron.training). --no-deps: the tests load only its
+	# self-contained megatron/bridge/data/samplers.py by file path; its declared dependencies
+	# (transformer-engine, mamba-ssm, ... CUDA builds) are for the rest of Megatron-Bridge.
+	$(PIP) install --quiet --no-deps megatron-bridge==0.3.1
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -9,7 +9,7 @@ from _helpers import run_group
 ROOT = Path(__file__).resolve().parents[1]
 
 BLOCKED = ("jax", "jaxlib", "torch", "grain", "tensorflow_datasets", "tokenizers", "matplotlib",
-           "flax", "optax", "orbax")
+           "flax", "optax", "orbax", "torchtitan", "megatron", "triton")
 
 SCRIPT = f"""
 import importlib.abc, sys
@@ -24,6 +24,7 @@ from zephon import Filter, Loader, Source
 from zephon.backends import numpy as npb
 from zephon.sources.memory import ArraySource
 import zephon.cli, zephon.runners, zephon.sources, zephon.verify
+import zephon.integrations, zephon.integrations._text   # the trainer integrations' shared core
 l = Loader(Source(10).shuffle(1).repeat().lanes(2).batch(4), ArraySource({{"x": np.arange(10)}}),
            [Filter(lambda c: c["x"] % 3 != 0, batched=True, name="not3")])
 b = npb.emit(next(l))
@@ -48,9 +49,11 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
-#: Entry points that sit on top of every layer (the CLI and the pytest-facing test helpers).
-#: Files, or packages (a trailing "/"), exempt from the one-way rule.
-TOP = ("zephon/cli/", "zephon/testing/", "zephon/testing_plugin.py")
+#: Entry points that sit on top of every layer (the CLI, the pytest-facing test helpers, and the
+#: trainer integrations, each imported only by its user). Files, or packages (a trailing "/"),
+#: exempt from the one-way rule.
+TOP = ("zephon/cli/", "zephon/testing/", "zephon/testing_plugin.py", "zephon/integrations/torchtitan.py",
+       "zephon/integrations/megatron.py")
 
 
 def _on_top(rel: str) -> bool:
@@ -60,8 +63,9 @@ def _on_top(rel: str) -> bool:
 def test_imports_point_one_way():
     """The core never imports a backend or compat; a backend never imports compat."""
     bad = []
-    for folder, forbidden in (("zephon", ("zephon.backends", "zephon.compat", "jax", "torch", "grain")),
-                              ("backends", ("zephon.compat",))):
+    for folder, forbidden in (("zephon", ("zephon.backends", "zephon.compat", "zephon.integrations", "jax",
+                                          "torch", "grain", "torchtitan", "megatron")),
+                              ("backends", ("zephon.compat", "zephon.integrations"))):
         for path in (ROOT / folder).rglob("*.py"):
             if _on_top(str(path.relative_to(ROOT))):
                 continue
