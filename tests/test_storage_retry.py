@@ -72,17 +72,17 @@ def _failing(t: FakeTime, until: float, exc: Exception | None = None):
 
 
 def test_backoff_grows_exponentially_to_its_cap_with_full_jitter():
-    pol = StoragePolicy()  # the defaults: 0.2 s doubling to 15 s
+    pol = StoragePolicy()  # the defaults: 0.2 s doubling to 10 s
     rng = random.Random(1)
     for attempt in range(1, 14):
-        cap = min(15.0, 0.2 * 2 ** (attempt - 1))
+        cap = min(10.0, 0.2 * 2 ** (attempt - 1))
         waits = np.array([pol.delay(attempt, rng) for _ in range(4000)])
         assert waits.min() >= 0 and waits.max() <= cap
         # full jitter: uniform over the whole [0, cap], not cap plus or minus a little
         assert waits.min() < 0.02 * cap and waits.max() > 0.98 * cap
         assert abs(waits.mean() - cap / 2) < 0.03 * cap
         assert abs(np.mean(waits < cap / 4) - 0.25) < 0.03
-    assert pol.delay(10_000, rng) <= 15.0  # no overflow on an endless outage
+    assert pol.delay(10_000, rng) <= 10.0  # no overflow on an endless outage
 
 
 def test_an_outage_shorter_than_the_deadline_is_ridden_out():
@@ -93,8 +93,8 @@ def test_an_outage_shorter_than_the_deadline_is_ridden_out():
             t = FakeTime()
             assert _retrying(_failing(t, outage), StoragePolicy(), t, seed) == b"data"
             took = t.now - t.attempts[0]
-            assert outage <= took <= outage + 15.0  # back at most one capped backoff after it ends
-            assert len(t.attempts) > 6 and max(t.sleeps) <= 15.0
+            assert outage <= took <= outage + 10.0  # back at most one capped backoff after it ends
+            assert len(t.attempts) > 6 and max(t.sleeps) <= 10.0
 
 
 def test_a_longer_outage_fails_at_the_deadline_naming_url_range_attempts_and_reasons():

@@ -16,7 +16,7 @@ Knobs (environment, read when a store is first used in a process; `configure()` 
 in this process and in the worker processes it starts that do not set them):
 ZEPHON_STORAGE_DEADLINE (s per request, all attempts together, default 120),
 ZEPHON_STORAGE_TIMEOUT (s per attempt, default 30), ZEPHON_STORAGE_BACKOFF (s, the first
-retry's largest wait, default 0.2), ZEPHON_STORAGE_MAX_BACKOFF (s, the largest wait, default 15),
+retry's largest wait, default 0.2), ZEPHON_STORAGE_MAX_BACKOFF (s, the largest wait, default 10),
 ZEPHON_STORAGE_ATTEMPTS (a cap on attempts, default 0: none, the deadline decides),
 ZEPHON_STORAGE_CONCURRENCY (requests in flight per process, default 64),
 ZEPHON_STORAGE_OVERFETCH (default 0.8: one read's requests may fetch at most this fraction more
@@ -50,7 +50,7 @@ class StoragePolicy:
     max_request: int = 8 << 20
     cache_bytes: int = 0
     backoff: float = 0.2
-    max_backoff: float = 15.0
+    max_backoff: float = 10.0
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
         """The wait before retry number `attempt` (1-based): uniform in [0, min(max_backoff,
