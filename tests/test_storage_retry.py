@@ -225,6 +225,10 @@ def test_settings_are_read_from_the_environment_checked_and_travel_to_workers(mo
             monkeypatch.setenv(f"ZEPHON_STORAGE_{name}", "30")
         with pytest.raises(TypeError, match="unknown storage setting.*'deadlne'"):
             storage.configure(deadlne=5)
+        for bad in (0, -1.0, "60", float("nan")):
+            with pytest.raises(ValueError, match="configure\\(deadline="):
+                storage.configure(deadline=bad)
+        assert storage.configure(attempts=0).attempts == 0
         # configure() in the parent travels with its blobs to a worker lacking the variables
         monkeypatch.delenv("ZEPHON_STORAGE_DEADLINE")
         retry.forget()

@@ -68,6 +68,14 @@ def _env_name(name: str) -> str:
     return f"ZEPHON_STORAGE_{name.upper()}"
 
 
+def _check(name: str, value: Any, shown: str) -> None:
+    """A knob's value must be a number >= 0 (> 0 unless 0 means off for it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{shown} is not a number")
+    if value < 0 or (value == 0 and name not in _ZERO_OK):
+        raise ValueError(f"{shown}: {name} must be > 0")
+
+
 def _from_env() -> StoragePolicy:
     values: dict[str, Any] = {}
     for f in fields(StoragePolicy):
@@ -78,8 +86,7 @@ def _from_env() -> StoragePolicy:
             value = float(raw) if f.type in ("float", float) else int(raw)
         except ValueError:
             raise ValueError(f"{_env_name(f.name)}={raw!r} is not a number") from None
-        if value < 0 or (value == 0 and f.name not in _ZERO_OK):
-            raise ValueError(f"{_env_name(f.name)} must be > 0, got {raw!r}")
+        _check(f.name, value, f"{_env_name(f.name)}={raw!r}")
         values[f.name] = value
     return StoragePolicy(**values)
 
@@ -103,6 +110,8 @@ def configure(**changes: Any) -> StoragePolicy:
     if unknown:
         raise TypeError(f"unknown storage setting(s) {unknown}; the settings are "
                         f"{[f.name for f in fields(StoragePolicy)]}")
+    for name, value in changes.items():
+        _check(name, value, f"configure({name}={value!r})")
     _policy = replace(policy(), **changes)
     return _policy
 
