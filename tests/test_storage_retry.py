@@ -245,3 +245,44 @@ def test_settings_are_read_from_the_environment_checked_and_travel_to_workers(mo
         retry.forget()
         storage.configure(**{f: getattr(old, f) for f in old.__dataclass_fields__})
         storage.reset()
+
+
+def test_a_success_ends_the_backoff_of_the_stores_other_waiting_requests():
+    """A read needs all its ranges: without the wake-up, the read after an outage waits for its
+    slowest range's backoff (~max_backoff). Here three requests back off for up to 20 s; a
+    fourth, with a 50 ms backoff, gets through 0.3 s after the store is back and wakes them."""
+    import time
+
+    down = [True]
+
+    async def attempt():
+        if down[0]:
+            raise oe.GenericError(REFUSED)
+        return b"ok"
+
+    slow = StoragePolicy(backoff=20.0, max_backoff=20.0, deadline=60.0)
+    fast = StoragePolicy(backoff=0.05, max_backoff=0.05, deadline=60.0)
+    other = "gs://elsewhere/x.bin"
+
+    async def scenario():
+        async def back_up():
+            await asyncio.sleep(0.3)
+            down[0] = False
+
+        waiting = [asyncio.ensure_future(client.retrying(URL, WHAT, attempt, slow, rng=random.Random(i)))
+                   for i in range(3)]
+        # another store's request backs off on its own: a success in s3://bucket does not wake it
+        elsewhere = asyncio.ensure_future(client.retrying(other, WHAT, attempt, slow,
+                                                          rng=random.Random(7)))
+        await asyncio.sleep(0.1)  # they are all waiting now
+        t0 = time.monotonic()
+        got = await asyncio.gather(back_up(), client.retrying(URL, WHAT, attempt, fast), *waiting)
+        took = time.monotonic() - t0
+        done_elsewhere = elsewhere.done()
+        elsewhere.cancel()
+        return got[1:], took, done_elsewhere
+
+    got, took, done_elsewhere = client.run(scenario(), URL)
+    assert got == [b"ok"] * 4
+    assert took < 2.0  # not the ~15 s the slowest of three 20 s backoffs would take
+    assert not done_elsewhere

@@ -44,6 +44,7 @@ _pid = -1
 _loop: asyncio.AbstractEventLoop | None = None
 _stores: dict[tuple[str, str], Any] = {}
 _sem: asyncio.Semaphore | None = None
+_wakes: dict[str, _Wake] = {}  # per store ("s3://bucket"): see _Wake
 #: Counters of this process (read by benchmarks and tests): requests, bytes, retries.
 STATS = {"requests": 0, "bytes": 0, "retries": 0}
 
@@ -62,6 +63,7 @@ def _state() -> asyncio.AbstractEventLoop:
         if _pid != os.getpid() or _loop is None:
             _pid = os.getpid()
             _stores.clear()
+            _wakes.clear()
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="zephon-storage", daemon=True).start()
             _loop, _sem = loop, None
@@ -111,6 +113,7 @@ def reset() -> None:
     global _sem
     with _lock:
         _stores.clear()
+        _wakes.clear()
         _sem = None
 
 
@@ -237,22 +240,64 @@ def _short(msg: str, limit: int = 300) -> str:
 _warned = [0.0]  # when this process last warned that requests are being retried
 
 
+class _Wake:
+    """Ends the backoff of a store's waiting requests when one of its requests succeeds.
+
+    Each request backs off on its own random schedule, and a read needs all of its ranges: after
+    an outage it would wait for the slowest one, which in a read of hundreds of ranges is close
+    to `max_backoff` (measured: ~10 s after the server was back). Since the first request that
+    gets through shows the store is back, it wakes the others, which try again at once. They are
+    at most `concurrency` requests of this process, the load the store carries anyway; other
+    processes and hosts find the store back on their own jittered schedules, so they do not all
+    return together."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.waiting = 0
+
+    def succeeded(self) -> None:
+        if self.waiting:
+            self.event.set()
+            self.event = asyncio.Event()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Waits `seconds`, or less if another request succeeds first; True if woken early."""
+        event = self.event
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(event.wait(), seconds)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self.waiting -= 1
+
+
+def _wake(url: str) -> _Wake:
+    key = url.split("/", 3)[:3]  # scheme://bucket
+    return _wakes.setdefault("/".join(key), _Wake())
+
+
 async def retrying(url: str, what: str, attempt_fn: Callable[[], Awaitable[T]],
                    pol: StoragePolicy | None = None, *, clock: Callable[[], float] = time.monotonic,
-                   sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+                   sleep: Callable[[float], Awaitable[Any]] | None = None,
                    rng: random.Random | None = None) -> T:
     """Runs one request under the policy (retry.py): each attempt within the per-attempt
     timeout, retryable failures tried again after a jittered backoff until the deadline, then
-    `ObjectUnavailableError`. At most `concurrency` requests of the process are in flight
-    (waiting for a slot counts toward the deadline, not toward an attempt's timeout). `clock`,
-    `sleep` and `rng` are for tests."""
+    `ObjectUnavailableError`. A success ends the backoff of the same store's waiting requests
+    (see `_Wake`). At most `concurrency` requests of the process are in flight (waiting for a
+    slot counts toward the deadline, not toward an attempt's timeout). `clock`, `sleep` and
+    `rng` are for tests (a `sleep` given replaces the wake-up too)."""
     pol = pol or policy()
     tries = Retries(pol, clock(), rng)
+    wake = _wake(url)
     while True:
         try:
             async with semaphore():
                 STATS["requests"] += 1
-                return await asyncio.wait_for(attempt_fn(), tries.timeout(clock()))
+                got = await asyncio.wait_for(attempt_fn(), tries.timeout(clock()))
+            wake.succeeded()
+            return got
         except (ObjectChangedError, ObjectCorruptError):
             raise
         except Exception as e:
@@ -271,4 +316,7 @@ async def retrying(url: str, what: str, attempt_fn: Callable[[], Awaitable[T]],
             log.warning("%s: %s failed (%s); retrying for up to %g s (ZEPHON_STORAGE_DEADLINE)",
                         url, what, reason, pol.deadline)
         log.debug("%s: %s failed (%s), retry %d in %.2f s", url, what, reason, tries.attempts, wait)
-        await sleep(wait)
+        if sleep is not None:
+            await sleep(wait)
+        elif await wake.sleep(wait):
+            tries.woken()

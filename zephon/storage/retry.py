@@ -6,7 +6,10 @@ store (a restart, a failover, a network blip) is ridden out if it ends within `d
 the byte range, the attempts and the reasons once it has lasted that long. Between attempts the
 request waits a random time between 0 and `backoff * 2**(n-1)` (exponential backoff with full
 jitter: the processes and requests that failed together do not retry together), growing to at
-most `max_backoff` and never past the deadline: the last attempt starts just before it.
+most `max_backoff` and never past the deadline: the last attempt starts just before it. The
+first request that gets through ends the waits of the same store's other requests in the
+process (client._Wake), so a read of many ranges is back as soon as the store is, not after
+its slowest range's backoff.
 
 Only failures that can pass are retried: connections refused or reset, request timeouts and
 stalls, 408, 429 and 5xx. 404, 401/403, 412 (the object was replaced) and 416 (a range past the
@@ -213,6 +216,11 @@ class Retries:
         if wait >= room:
             wait, self.last = room, True
         return wait
+
+    def woken(self) -> None:
+        """The wait ended early (another request got through): the next attempt is not the
+        last one after all, however soon it comes."""
+        self.last = False
 
     def summary(self) -> str:
         """'connection refused x31, HTTP 503 x2': each reason seen, with its count."""
