@@ -52,7 +52,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(VENV)/bin/python finite_end.py
 	cd benchmarks && ../$(VENV)/bin/python startup.py && ../$(VENV)/bin/python telemetry.py
 	cd benchmarks && ../$(VENV)/bin/python sft.py
-	cd benchmarks && ../$(VENV)/bin/python storage.py
+	cd benchmarks && ../$(VENV)/bin/python storage.py && ../$(VENV)/bin/python storage_outage.py
 
 .PHONY: experiment
 # Elastic training: a tiny LM trained at D = 1, 2, 4, 8 ranks with three loaders (~13 min on 2 cores);

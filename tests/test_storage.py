@@ -205,7 +205,7 @@ def proxied(servers, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxies["s3"].endpoint)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxies["gs"].endpoint)
     old = storage.policy()
-    storage.configure(timeout=1.0, deadline=6.0, attempts=5, backoff=0.05, max_backoff=0.3)
+    storage.configure(timeout=1.0, deadline=4.0, backoff=0.05, max_backoff=0.3)
     storage.reset()
     yield proxies
     storage.configure(**{f: getattr(old, f) for f in old.__dataclass_fields__})
@@ -238,15 +238,22 @@ def test_transient_faults_are_retried_and_give_the_right_bytes(proxied, servers,
 
 @pytest.mark.parametrize("where", ["s3", "gs"])
 def test_a_failing_endpoint_fails_within_the_deadline_naming_url_range_and_attempts(proxied, servers, where):
+    """... and every attempt is one HTTP request: obstore's own retries are off, so an outage is
+    neither retried twice over (one deadline inside the other) nor hidden inside one attempt."""
+    import re
+
     blob = storage.open_blob(f"{_base(servers, where)}/t.jsonl")
     proxied[where].faults.status, proxied[where].faults.count = 503, -1
     t0 = time.monotonic()
     with pytest.raises(storage.ObjectUnavailableError) as info:
         blob.read(10, 20)
     elapsed = time.monotonic() - t0
-    assert elapsed < 6.0 + 1.0
-    assert f"{blob.url}: reading bytes [10, 30) failed after" in str(info.value)
-    assert "attempts" in str(info.value) and "503" in str(info.value)
+    assert 4.0 - 1.0 < elapsed < 4.0 + 1.0  # the deadline, used up and kept
+    msg = str(info.value)
+    assert f"{blob.url}: reading bytes [10, 30) failed after" in msg
+    attempts = int(re.search(r"failed after (\d+) attempts", msg).group(1))
+    assert f"(HTTP 503 x{attempts})" in msg
+    assert attempts > 6 and proxied[where].faults.faulted == attempts
 
 
 def test_a_dead_endpoint_fails_within_the_deadline(servers, monkeypatch):
@@ -254,11 +261,12 @@ def test_a_dead_endpoint_fails_within_the_deadline(servers, monkeypatch):
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     old = storage.policy()
-    storage.configure(timeout=1.0, deadline=3.0, attempts=10, backoff=0.05)
+    storage.configure(timeout=1.0, deadline=3.0, backoff=0.05)
     storage.reset()
     try:
         t0 = time.monotonic()
-        with pytest.raises(storage.ObjectUnavailableError, match=f"s3://{BUCKET}/x.bin"):
+        with pytest.raises(storage.ObjectUnavailableError, match=f"s3://{BUCKET}/x.bin: reading its "
+                           r"size and version \(HEAD\) failed after \d+ attempts .*connection refused"):
             storage.open_blob(f"s3://{BUCKET}/x.bin")
         assert time.monotonic() - t0 < 3.0 + 1.0
     finally:
@@ -330,3 +338,155 @@ def test_plan_json_and_cli_explain_take_urls(servers, where, capsys):
     assert main(["explain", url, "--step", "2", "--rows", "0:3"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [int(line.split()[3]) for line in out[1:4]] == [r["record"] for r in plan.explain(2)[:3]]
+
+
+# --- outages: the server stopped mid-epoch, then started again over the same data ---------------
+# The session's own servers are halted and restarted (same ports, same data): worker processes
+# come from a fork server whose environment names those endpoints. Restarts happen on the main
+# thread (a server dies with the thread that started it); the loader runs on a helper thread.
+
+OUTAGE_STEPS, OUTAGE_AFTER = 12, 3  # 12 steps of 32 rows: inside the first epoch of 600 rows
+
+
+def _outage_loader(servers, where, runner):
+    from zephon import Loader, Source
+    from zephon.runners import inline, processes
+    from zephon.sources import ArrayRecordSource, FixedFields
+
+    plan = Source(N).shuffle(11).repeat().lanes(4).batch(32)
+    src = ArrayRecordSource(f"{_base(servers, where)}/ar@3", FixedFields(SPEC_FIELDS))
+    run = inline() if runner == "inline" else processes(2)
+    return Loader(plan, src, runner=run, read_ahead=32)  # one step a read: the outage is met mid-epoch
+
+
+def _fingerprint(batch) -> str:
+    from zephon.verify import lane_digests, step_fingerprint
+
+    return step_fingerprint(lane_digests(batch))
+
+
+def _through_outage(servers, where, runner, outage: float | None):
+    """Fingerprints of OUTAGE_STEPS steps with the server halted after step OUTAGE_AFTER, for
+    `outage` seconds (None: until the loader raises); the error, if any; and the times (halt,
+    back up, each later batch, the error)."""
+    import threading
+
+    server = servers[where]
+    loader = _outage_loader(servers, where, runner)
+    fps, done, out = [], [], {}
+    reached, halted = threading.Event(), threading.Event()
+
+    def consume():
+        try:
+            for step in range(OUTAGE_STEPS):
+                if step == OUTAGE_AFTER:
+                    reached.set()
+                    halted.wait(60)
+                    out["resumed"] = time.monotonic()
+                fps.append(_fingerprint(next(loader)))
+                done.append(time.monotonic())
+        except BaseException as e:  # handed to the test's thread
+            out["error"], out["failed"] = e, time.monotonic()
+
+    worker = threading.Thread(target=consume, daemon=True)
+    retries = storage.STATS["retries"]
+    try:
+        worker.start()
+        while not reached.wait(0.1):
+            assert worker.is_alive(), f"the loader failed before the outage: {out.get('error')!r}"
+        out["halting"] = time.monotonic()
+        server.halt()
+        out["halted"] = time.monotonic()
+        halted.set()
+        if outage is None:
+            worker.join(300)
+        else:
+            time.sleep(outage)
+        out["restarting"] = time.monotonic()
+        out["up_in"] = server.restart()
+        out["up"] = time.monotonic()
+        worker.join(300)
+        assert not worker.is_alive(), "the loader hung"
+    finally:
+        if server.proc.poll() is not None:  # never leave the session's server down
+            server.restart()
+        loader.close()
+        _serving(servers, where)
+    out["retries"] = storage.STATS["retries"] - retries
+    return fps, done, out
+
+
+def _serving(servers, where) -> None:
+    """Waits (under the default policy: up to 120 s) until the restarted server serves objects
+    again, not just answers: the next test starts from a working store."""
+    old = storage.policy()
+    storage.configure(deadline=120.0, max_backoff=0.5)
+    try:
+        storage.open_blob(f"{_base(servers, where)}/ar-00000-of-00003").read(0, 16)
+    finally:
+        storage.configure(**{f: getattr(old, f) for f in old.__dataclass_fields__})
+
+
+def _outage_case(servers, where, runner, outage, quick=True):
+    """The same batches as an uninterrupted run, no error, and the loader really waited."""
+    old = storage.policy()
+    if quick:  # a short backoff cap: the loader is back within ~1 s of the server (make test)
+        storage.configure(max_backoff=1.0)
+    try:
+        with _outage_loader(servers, where, "inline") as loader:
+            want = [_fingerprint(next(loader)) for _ in range(OUTAGE_STEPS)]
+        fps, done, out = _through_outage(servers, where, runner, outage)
+    finally:
+        storage.configure(**{f: getattr(old, f) for f in old.__dataclass_fields__})
+    assert "error" not in out, out.get("error")
+    assert fps == want
+    # a batch after the restart began: the loader waited through the outage (the server may
+    # serve a little before restart() has seen it up, so that is not the mark)
+    later = [t for t in done if t > out["restarting"]]
+    assert later, "every batch came before the server was restarted: the outage was never met"
+    print(f"\n{where} {runner}: down {out['up'] - out['halted']:.1f} s (restart {out['up_in']:.1f} s); "
+          f"next batch {later[0] - out['up']:+.1f} s from its restart's end; retries in this process "
+          f"{out['retries']}; {len(fps)} steps identical")
+    if runner == "inline":
+        assert out["retries"] > 0
+
+
+def _deadline_case(servers, where, runner, deadline=2.0):
+    old = storage.policy()
+    storage.configure(deadline=deadline, max_backoff=1.0)  # travels to the workers with the blobs
+    try:
+        fps, _, out = _through_outage(servers, where, runner, None)
+    finally:
+        storage.configure(**{f: getattr(old, f) for f in old.__dataclass_fields__})
+    err = out.get("error")
+    assert isinstance(err, storage.ObjectUnavailableError), repr(err)
+    msg = str(err)
+    assert f"{where}://{BUCKET}/data/ar-0000" in msg and "reading bytes [" in msg
+    assert "attempts in" in msg and "connection refused" in msg and f"{deadline:g} s" in msg
+    # no sooner than the deadline after the server went away (workers read ahead, so their
+    # reads may fail from the moment it starts shutting down), no later than it + a few seconds
+    assert out["failed"] - out["halting"] > deadline - 0.5, out
+    assert out["failed"] - max(out["halted"], out["resumed"]) < deadline + 3.0, out
+    assert len(fps) < OUTAGE_STEPS  # no batch came without its bytes (workers read a few ahead)
+
+
+def test_a_10s_outage_mid_epoch_is_ridden_out_with_the_same_batches(servers):
+    """The issue's target, with the default policy (backoff 0.2 s doubling to 10 s)."""
+    _outage_case(servers, "s3", "inline", 10.0, quick=False)
+
+
+@pytest.mark.parametrize("where,runner", [("gs", "inline"), ("s3", "processes"), ("gs", "processes")])
+def test_a_short_outage_mid_epoch_is_ridden_out_with_the_same_batches(servers, where, runner):
+    _outage_case(servers, where, runner, 2.0)
+
+
+@pytest.mark.parametrize("where", ["s3", "gs"])
+@pytest.mark.parametrize("runner", ["inline", "processes"])
+def test_an_outage_past_the_deadline_is_an_error_naming_url_range_and_attempts(servers, where, runner):
+    _deadline_case(servers, where, runner)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,runner", [("gs", "inline"), ("s3", "processes"), ("gs", "processes")])
+def test_a_10s_outage_mid_epoch_every_store_and_runner(servers, where, runner):
+    _outage_case(servers, where, runner, 10.0, quick=False)

@@ -3,8 +3,10 @@
 obstore (Rust `object_store`) was picked over fsspec (gcsfs/s3fs) and pyarrow.fs because it alone
 offers, from one small wheel, async ranged GETs with If-Match (a read that fails instead of
 returning bytes of a replaced object), ETag + version in every response, conditional puts, and
-per-request timeouts. Its own retries are switched off: Zephon retries itself so that the error
-after the last attempt names the URL, the byte range and the attempts.
+per-request timeouts. Its own retries are switched off (`max_retries=0`: one HTTP request per
+call, checked by the tests through a counting proxy): Zephon retries itself, under one deadline
+(retry.py), so an outage is neither retried twice over nor hidden, and the error after the last
+attempt names the URL, the byte range, the attempts and the reasons.
 
 All requests of a process run on one asyncio loop in a daemon thread; synchronous callers submit
 coroutines to it. After a fork the child starts its own loop and stores (a loop or a connection
@@ -17,6 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -30,7 +33,7 @@ from .errors import (
     ObjectPermissionError,
     ObjectUnavailableError,
 )
-from .retry import StoragePolicy, policy, retryable_status, status_of
+from .retry import Retries, StoragePolicy, forget, overrides, policy, reason_of, retryable_status, status_of
 from .url import ObjectURL
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ _pid = -1
 _loop: asyncio.AbstractEventLoop | None = None
 _stores: dict[tuple[str, str], Any] = {}
 _sem: asyncio.Semaphore | None = None
+_wakes: dict[str, _Wake] = {}  # per store ("s3://bucket"): see _Wake
 #: Counters of this process (read by benchmarks and tests): requests, bytes, retries.
 STATS = {"requests": 0, "bytes": 0, "retries": 0}
 
@@ -59,6 +63,7 @@ def _state() -> asyncio.AbstractEventLoop:
         if _pid != os.getpid() or _loop is None:
             _pid = os.getpid()
             _stores.clear()
+            _wakes.clear()
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="zephon-storage", daemon=True).start()
             _loop, _sem = loop, None
@@ -83,16 +88,22 @@ _SETTINGS = ("AWS_", "GOOGLE_", "STORAGE_EMULATOR_HOST", "CLOUD_STORAGE_EMULATOR
 
 
 def settings() -> tuple[tuple[str, str], ...]:
-    """This process's storage environment (what a blob carries to worker processes)."""
-    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_SETTINGS)))
+    """This process's storage environment, with the knobs `configure()` changed (what a blob
+    carries to worker processes)."""
+    found = {k: v for k, v in os.environ.items() if k.startswith(_SETTINGS)}
+    found.update(overrides())
+    return tuple(sorted(found.items()))
 
 
 def adopt(values: tuple[tuple[str, str], ...]) -> None:
     """Sets the storage variables this process lacks (never overrides one it has): a worker
-    started by a fork server that predates them reaches the same store as its parent."""
+    started by a fork server that predates them reaches the same store as its parent, under
+    the same retry policy."""
     missing = [(k, v) for k, v in values if k not in os.environ]
     if missing:
         os.environ.update(missing)
+        if any(k.startswith("ZEPHON_STORAGE_") for k, _ in missing):
+            forget()
         reset()
 
 
@@ -102,6 +113,7 @@ def reset() -> None:
     global _sem
     with _lock:
         _stores.clear()
+        _wakes.clear()
         _sem = None
 
 
@@ -157,6 +169,8 @@ def store(loc: ObjectURL) -> Any:
     client: dict[str, Any] = {"timeout": f"{pol.timeout}s", "connect_timeout": f"{min(pol.timeout, 10.0)}s"}
     if end and end.startswith("http://"):
         client["allow_http"] = True
+    # obstore's own retries off: one HTTP request per call, so `retrying` alone decides (and
+    # counts) attempts under one deadline; obstore's would multiply ours and hide an outage.
     retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=pol.deadline)}
     if loc.scheme == "s3":
         config: dict[str, Any] = {}
@@ -192,17 +206,17 @@ def classify(url: str, what: str, exc: BaseException) -> tuple[bool, str, Except
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return True, "timed out", None
     if isinstance(exc, (exc_mod.NotFoundError, FileNotFoundError)) or status_of(msg) == 404:
-        return False, "404", ObjectMissingError(
+        return False, "HTTP 404", ObjectMissingError(
             f"{url}: no such object (404) while {what}. Check the bucket and the key (list it "
             f"with your cloud CLI); credentials from {credential_source(scheme)}.")
     if isinstance(exc, (exc_mod.PermissionDeniedError, exc_mod.UnauthenticatedError)) or \
             status_of(msg) in (401, 403):
-        return False, "403", ObjectPermissionError(
+        return False, "HTTP 403", ObjectPermissionError(
             f"{url}: permission denied while {what} ({_short(msg)}). The credentials came from "
             f"{credential_source(scheme)}; give them read access to the object (and write access "
             "for checkpoints), or set the right ones.")
     if isinstance(exc, (exc_mod.PreconditionError, exc_mod.NotModifiedError)) or status_of(msg) == 412:
-        return False, "412", ObjectChangedError(
+        return False, "HTTP 412", ObjectChangedError(
             f"{url}: the object was replaced while {what}: it is no longer the version this source "
             "pinned when it opened. Records read now could mix two versions of the data, so reading "
             "stops. Never rewrite data under a running job: restore the original object and resume "
@@ -211,32 +225,79 @@ def classify(url: str, what: str, exc: BaseException) -> tuple[bool, str, Except
         return False, type(exc).__name__, None  # a bug, not a fault of the store: raise it as is
     status = status_of(msg)
     if status == 416:
-        return False, "416", ObjectCorruptError(
+        return False, "HTTP 416", ObjectCorruptError(
             f"{url}: the server says the byte range is not in the object (416) while {what}: the "
             "object is shorter than its index says (truncated or corrupt). Rewrite it.")
     if not retryable_status(status) or isinstance(exc, exc_mod.InvalidPathError):
-        return False, str(status), ObjectUnavailableError(f"{url}: {what} failed: {_short(msg)}")
-    return True, _short(msg), None
+        return False, f"HTTP {status}", ObjectUnavailableError(f"{url}: {what} failed: {_short(msg)}")
+    return True, reason_of(msg), None
 
 
 def _short(msg: str, limit: int = 300) -> str:
     return msg if len(msg) <= limit else msg[:limit] + " ..."
 
 
+_warned = [0.0]  # when this process last warned that requests are being retried
+
+
+class _Wake:
+    """Ends the backoff of a store's waiting requests when one of its requests succeeds.
+
+    Each request backs off on its own random schedule, and a read needs all of its ranges: after
+    an outage it would wait for the slowest one, which in a read of hundreds of ranges is close
+    to `max_backoff` (measured: ~10 s after the server was back). Since the first request that
+    gets through shows the store is back, it wakes the others, which try again at once. They are
+    at most `concurrency` requests of this process, the load the store carries anyway; other
+    processes and hosts find the store back on their own jittered schedules, so they do not all
+    return together."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.waiting = 0
+
+    def succeeded(self) -> None:
+        if self.waiting:
+            self.event.set()
+            self.event = asyncio.Event()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Waits `seconds`, or less if another request succeeds first; True if woken early."""
+        event = self.event
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(event.wait(), seconds)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self.waiting -= 1
+
+
+def _wake(url: str) -> _Wake:
+    key = url.split("/", 3)[:3]  # scheme://bucket
+    return _wakes.setdefault("/".join(key), _Wake())
+
+
 async def retrying(url: str, what: str, attempt_fn: Callable[[], Awaitable[T]],
-                   pol: StoragePolicy | None = None) -> T:
-    """Runs one request with the policy's timeout, attempts and deadline (see retry.py); at most
-    `concurrency` requests of the process are in flight (waiting for a slot is not timed)."""
+                   pol: StoragePolicy | None = None, *, clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], Awaitable[Any]] | None = None,
+                   rng: random.Random | None = None) -> T:
+    """Runs one request under the policy (retry.py): each attempt within the per-attempt
+    timeout, retryable failures tried again after a jittered backoff until the deadline, then
+    `ObjectUnavailableError`. A success ends the backoff of the same store's waiting requests
+    (see `_Wake`). At most `concurrency` requests of the process are in flight (waiting for a
+    slot counts toward the deadline, not toward an attempt's timeout). `clock`, `sleep` and
+    `rng` are for tests (a `sleep` given replaces the wake-up too)."""
     pol = pol or policy()
-    start = time.monotonic()
-    attempt, reasons = 0, []
+    tries = Retries(pol, clock(), rng)
+    wake = _wake(url)
     while True:
-        attempt += 1
-        left = pol.deadline - (time.monotonic() - start)
         try:
             async with semaphore():
                 STATS["requests"] += 1
-                return await asyncio.wait_for(attempt_fn(), min(pol.timeout, max(left, 0.001)))
+                got = await asyncio.wait_for(attempt_fn(), tries.timeout(clock()))
+            wake.succeeded()
+            return got
         except (ObjectChangedError, ObjectCorruptError):
             raise
         except Exception as e:
@@ -245,16 +306,17 @@ async def retrying(url: str, what: str, attempt_fn: Callable[[], Awaitable[T]],
                 raise final from None
             if not again:
                 raise
-            reasons.append(reason)
-        delay = pol.delay(attempt)
-        elapsed = time.monotonic() - start
-        if attempt >= pol.attempts or elapsed + delay >= pol.deadline:
-            last = "; ".join(dict.fromkeys(reasons))
-            raise ObjectUnavailableError(
-                f"{url}: {what} failed after {attempt} attempts in {elapsed:.1f} s ({last}). 429, "
-                f"5xx, timeouts and dropped connections are retried up to {pol.attempts} attempts "
-                f"within {pol.deadline:.0f} s (ZEPHON_STORAGE_ATTEMPTS / _DEADLINE); check the "
-                "endpoint and the network, then resume from the last checkpoint.")
+        wait = tries.failed(reason, clock())
+        if wait is None:
+            raise ObjectUnavailableError(tries.message(url, what))
         STATS["retries"] += 1
-        log.debug("%s: %s failed (%s), retry %d in %.2f s", url, what, reasons[-1], attempt, delay)
-        await asyncio.sleep(delay)
+        now = time.monotonic()
+        if now - _warned[0] > 10.0:  # an outage: one line every 10 s per process, not per request
+            _warned[0] = now
+            log.warning("%s: %s failed (%s); retrying for up to %g s (ZEPHON_STORAGE_DEADLINE)",
+                        url, what, reason, pol.deadline)
+        log.debug("%s: %s failed (%s), retry %d in %.2f s", url, what, reason, tries.attempts, wait)
+        if sleep is not None:
+            await sleep(wait)
+        elif await wake.sleep(wait):
+            tries.woken()

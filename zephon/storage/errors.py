@@ -27,4 +27,5 @@ class ObjectCorruptError(SourceError):
 
 
 class ObjectUnavailableError(SourceError, TimeoutError):
-    """Retries exhausted (429, 5xx, timeouts, resets) within the attempts and the deadline."""
+    """The store stayed unreachable or failing (refused or reset connections, timeouts, 429, 5xx)
+    until the retry deadline (ZEPHON_STORAGE_DEADLINE)."""

