@@ -23,7 +23,7 @@ def source() -> ArraySource:
 
 
 def plan():
-    return Source(N).shuffle(5).repeat(2).lanes(4).batch(B)
+    return Source(N).shuffle(5).repeat(2).lanes(4).batch(B, remainder="drop")
 
 
 def odd(cols):
