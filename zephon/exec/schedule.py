@@ -183,17 +183,16 @@ def check_counters(mix: Mix, pipeline: LanePipeline, step: int, lanes: Iterable[
     for lane, st in lanes:
         for b, (m, bound) in enumerate(zip(st.mix, bounds)):
             consumed = st.cursor[b] + (st.skip[b] > 0)  # a partly used input was consumed
-            if m >= MAX_COUNTER:
+            lo = 0 if restarted or bound is None else consumed * bound[0]
+            hi = None if bound is None or bound[1] is None else consumed * bound[1]
+            if lo <= m and (hi is None or m <= hi):
+                if m < MAX_COUNTER:
+                    continue
                 raise StateError(f"lane {lane} of the state counts {m} {what} of source branch {b} ('mix') "
                                  f"after consuming {consumed} of its inputs ('cursor'): at or beyond "
                                  f"2**53, more than any run reads. The state was edited or is corrupt: "
                                  "restore the checkpoint as save_state wrote it.")
-            if bound is None:
-                continue
-            lo = 0 if restarted else consumed * bound[0]
-            hi = None if bound[1] is None else consumed * bound[1]
-            if lo <= m and (hi is None or m <= hi):
-                continue
+            assert bound is not None
             if lo == hi:
                 need = f"exactly {lo}: a mix by samples counts one per record"
             elif m < lo:
