@@ -133,7 +133,6 @@ def test_jax_loader_stats():
     assert s.stages["emit"] > 0
 
 
-@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")  # as tests/test_torch_backend.py
 def test_torch_loader_and_dataloader_stats():
     from zephon.backends import torch as tb
 

@@ -14,6 +14,13 @@ counts every lane of the plan itself: the same answer, at the cost of the whole 
 Cost: one extra pass of the rank's lanes through the pipeline (reads, tokenizing, packing) per
 epoch of a finite plan, before its first step — for an evaluation set, one more evaluation
 pass without the model; and one all-gather of two integers.
+
+Dropping, the count goes on past the end to the lanes' last rows: what the end leaves unemitted
+(`Unemitted`, summed over ranks with a second all-gather of four integers) is known before step
+0, kept in `Loader.unemitted` and `stats().unemitted`, and logged as a warning when it is more
+than one global batch — PyTorch's `drop_last` never drops more, and with packing or filters a
+"drop" end can lose whole lanes' tails. That is why `remainder="auto"` (the default) pads these
+plans.
 """
 
 from __future__ import annotations
