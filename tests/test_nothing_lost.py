@@ -243,3 +243,49 @@ def test_jax_prefetch_close_is_bounded(quick_bound, caplog):
     loader = jb.JaxLoader(Source(64).lanes(2).batch(4), src, mesh=mesh, read_ahead=4)
     next(iter(loader))
     _closes_within_the_bound(loader.close, src, caplog)
+
+
+_EXIT_WITHOUT_CLOSE = """
+import gc, logging, sys, threading, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_nothing_lost import Blocking
+import zephon as z
+import zephon.compat.grain as zg
+from zephon.compat.grain import experimental as X
+
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+# a Grain-compatible prefetch iterator dropped mid-read: its __del__ closes it
+src = Blocking()
+it = iter(X.ThreadPrefetchIterDataset(zg.Dataset.source(src).to_iter_dataset(), prefetch_buffer_size=2))
+next(it)
+assert src.blocked.wait(10)
+t = time.perf_counter()
+del it
+gc.collect()
+print(f"del {time.perf_counter() - t:.2f}", flush=True)
+# a threads() runner left open, a read blocked in its pool: the interpreter's exit must not wait
+src = Blocking()
+loader = z.Loader(z.Source(64).lanes(2).batch(4), src, runner=z.runners.threads(2), read_ahead=4)
+next(loader), next(loader)
+assert src.blocked.wait(10)
+print("exiting", flush=True)
+"""
+
+
+def test_del_and_interpreter_exit_never_wait_for_a_blocked_producer():
+    import os
+    import sys
+
+    from _helpers import run_group
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "ZEPHON_STOP_TIMEOUT_S": "0.5"}
+    t = time.perf_counter()
+    done = run_group([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, here], timeout=120, capture_output=True,
+                     text=True, env=env)
+    took = time.perf_counter() - t
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split()
+    assert lines[0] == "del" and float(lines[1]) < 3 and lines[-1] == "exiting"
+    assert took < 60, f"the interpreter took {took:.0f} s to exit"
