@@ -112,6 +112,20 @@ def test_ranks_agree_on_what_drop_leaves(seventy):
     assert got == [one.unemitted] * 4
 
 
+def test_torch_emitters_report_what_drop_leaves(caplog):
+    tb = pytest.importorskip("zephon.backends.torch")
+    src = ArraySource({"x": np.arange(1000, dtype=np.int64)})
+    uneven = Filter(uneven_lanes, name="uneven")
+    plan = Source(1000).lanes(8).batch(16, remainder="drop")
+    with caplog.at_level(logging.WARNING, logger="zephon"):
+        loader = tb.TorchLoader(plan, src, [uneven])
+        assert len(loader) == 25
+        assert loader.stats().unemitted.rows == 525
+        dl = tb.ZephonDataLoader(tb.ZephonIterableDataset(plan, src, [uneven]), num_workers=2, timeout=120)
+        assert len(list(dl)) == 25 and dl.stats().unemitted.rows == 525
+    assert sum("525 of 925 records" in r.getMessage() for r in caplog.records) == 2  # once per loader
+
+
 def test_drop_within_one_batch_stays_quiet(caplog):
     src = ArraySource({"x": np.arange(100, dtype=np.int64)})
     keep = Filter(lambda r: int(r["x"]) != 5, name="not_five")
@@ -120,6 +134,10 @@ def test_drop_within_one_batch_stays_quiet(caplog):
         list(loader)
     assert loader.unemitted is not None and loader.unemitted.rows <= 8
     assert not [r for r in caplog.records if "unemitted" in r.getMessage()]
+
+
+def uneven_lanes(r):  # lane 0 of 8 (x % 8 == 0) keeps only x < 400: it runs dry first
+    return int(r["x"]) % 8 != 0 or int(r["x"]) < 400
 
 
 # --- 2. restored mix counters -------------------------------------------------------------------
