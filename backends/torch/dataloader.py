@@ -186,8 +186,9 @@ class ZephonDataLoader(DataLoader):
         what a dropping finite plan's end leaves (`unemitted`, counted where the end is)."""
         s = require_telemetry(self._tel, "this ZephonDataLoader").stats()
         main = getattr(self.dataset, "_main", None)  # the loader that counted the end, if any
-        if s.unemitted is None and getattr(main, "unemitted", None) is not None:
-            s = dataclasses.replace(s, unemitted=main.unemitted)
+        unemitted = getattr(main, "unemitted", None)
+        if s.unemitted is None and unemitted is not None:
+            s = dataclasses.replace(s, unemitted=unemitted)
         return s
 
     def _joined(self, parts: Iterator[WorkerPart], generation: int, step: int) -> Iterator[dict[str, Any]]:
