@@ -42,7 +42,7 @@ from zephon.exec.steps import StepTask
 from zephon.exec.windows import take_rows
 from zephon.plan import Batch, Mix, Refs
 from zephon.sources.base import Columns, RecordSource
-from zephon.telemetry import count_tokens
+from zephon.telemetry import TOKEN_FIELDS, count_tokens
 
 if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
     from zephon.runners.base import Runner
@@ -117,8 +117,11 @@ def valid_tokens(cols: Columns, valid: np.ndarray) -> int:
     seg = cols.get("segment_ids")
     if isinstance(seg, np.ndarray) and seg.dtype != object and len(seg) == len(valid):
         return int(np.count_nonzero(seg[valid]))
-    idx = valid.nonzero()[0]
-    return count_tokens(take_rows(cols, idx)) if idx.size else 0
+    for name in TOKEN_FIELDS:
+        v = cols.get(name)
+        if isinstance(v, np.ndarray) and len(v) == len(valid):
+            return count_tokens({name: v[valid]})
+    return 0
 
 
 def count_end(engine: Any, step: int, pad: bool) -> LocalEnd:
@@ -139,8 +142,9 @@ def count_end(engine: Any, step: int, pad: bool) -> LocalEnd:
             if schema is None:
                 schema = schema_of(take_rows(cols, valid.nonzero()[0]))
             pad_end += 1
-            rows.append(int(np.count_nonzero(valid)))
-            tokens.append(valid_tokens(cols, valid))
+            if not pad:  # what the end leaves (padding leaves nothing)
+                rows.append(int(np.count_nonzero(valid)))
+                tokens.append(valid_tokens(cols, valid))
             if full and valid.all():
                 drop_end += 1
             else:
