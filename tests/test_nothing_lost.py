@@ -53,8 +53,11 @@ def test_the_issue_repro_by_default_emits_every_token(seventy, caplog):
     assert tokens == total and steps > 5  # pad semantics: every token exactly once
     assert loader.unemitted is None and loader.stats().unemitted is None
     assert not [r for r in caplog.records if "unemitted" in r.getMessage()]
-    # a one-to-one plan keeps dropping (less than one batch, as drop_last)
-    assert Loader(z.Source(70).lanes(32).batch(32), src).plan.remainder == "drop"
+    # a one-to-one plan keeps dropping (less than one batch, as drop_last), and its states keep
+    # the fingerprint they had before "auto"
+    one = Loader(z.Source(70).lanes(32).batch(32), src)
+    assert one.plan.remainder == "drop"
+    assert one.state()["plan_fingerprint"] == z.Source(70).lanes(32).batch(32, remainder="drop").fingerprint()
 
 
 def test_an_explicit_drop_says_what_it_leaves_before_the_first_step(seventy, caplog):

@@ -13,7 +13,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -216,14 +216,16 @@ class Batch(Node, kind="Batch"):
     default) is decided by the `Loader`: "pad" for a finite pipeline that changes the number of
     records (filters, tokenize + pack, a mix by tokens: its lanes run out at different steps, and
     dropping would lose whole lanes' tails), "drop" otherwise (one-to-one: less than one global
-    batch is left over, as PyTorch's `drop_last`). "auto" and "drop" plans share a fingerprint (JSON
-    without "remainder" reads back as "auto"), so checkpoints of one-to-one plans still restore.
+    batch is left over, as PyTorch's `drop_last`). A loader's state records the plan it resolved,
+    so checkpoints of plans that drop keep their fingerprint (JSON without "remainder": "drop").
     """
 
     child: Lanes
     size: int
     schedule: tuple[tuple[int, int], ...] = ()
     remainder: Remainder = "auto"
+    #: JSON without "remainder" is a plan that drops (written before "auto", or by a loader)
+    json_absent: ClassVar[dict[str, Any]] = {"remainder": "drop"}
 
     def __post_init__(self) -> None:
         if self.remainder not in ("auto", "drop", "pad"):
@@ -245,7 +247,7 @@ class Batch(Node, kind="Batch"):
             del out["schedule"]
         else:
             out["schedule"] = [list(e) for e in self.schedule]
-        if self.remainder in ("drop", "auto"):  # and plans that drop the remainder (or may)
+        if self.remainder == "drop":  # and plans that drop the remainder
             del out["remainder"]
         return out
 
