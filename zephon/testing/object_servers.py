@@ -54,15 +54,25 @@ class Server:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGKILL when the process that started it dies, so a
-    test run killed before its teardown leaves no server behind."""
-    try:
-        import ctypes
+#: Run in a fresh interpreter before exec'ing the server (Linux): SIGKILL when the process that
+#: started it dies, so a test run killed before its teardown leaves no server behind. A launcher
+#: rather than a `preexec_fn`, which runs Python in a forked copy of this process between fork
+#: and exec — a deadlock risk once threads run here (JAX warns "os.fork() was called ...").
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):  # the parent died before the prctl
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+
+def _die_with_parent(args: list[str]) -> list[str]:
+    """`args` started through the launcher that ties the server's life to this process's."""
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *args]
 
 
 def _binary(name: str) -> str:
@@ -116,8 +126,8 @@ def start_seaweedfs(timeout: float = 60.0) -> Server:
             *(f"-{k}={v}" for k, v in ports.items())]
     log = os.path.join(work, "weed.log")
     with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=work,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(_die_with_parent(args), stdout=out, stderr=subprocess.STDOUT, cwd=work,
+                                start_new_session=True)
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
     server = Server("SeaweedFS", endpoint, proc, work, log, {
         "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
@@ -141,8 +151,8 @@ def start_fake_gcs(timeout: float = 30.0) -> Server:
             "-log-level", "error"]
     log = os.path.join(work, "fake-gcs.log")
     with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=work,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(_die_with_parent(args), stdout=out, stderr=subprocess.STDOUT, cwd=work,
+                                start_new_session=True)
     server = Server("fake-gcs-server", endpoint, proc, work, log,
                     {"STORAGE_EMULATOR_HOST": endpoint})
     _wait(server, endpoint + "/storage/v1/b", timeout)
