@@ -42,7 +42,7 @@ KEEP = Filter(keep, name="id_mod3")
 def plan(schedule=RAMP, size=None, repeat=False):
     s = Source(N).shuffle(3)
     s = s.repeat() if repeat else s
-    return s.lanes(8).batch(size, schedule=None if size else schedule)
+    return s.lanes(8).batch(size, schedule=None if size else schedule, remainder="drop")
 
 
 def run(p, src, transforms=(), world=1, steps=None, state=None, allow=False):

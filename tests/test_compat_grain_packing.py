@@ -77,7 +77,7 @@ def test_packed_rows_equal_the_direct_zephon_loader(corpora, mode):
     for order, node in (("zephon", Source(n).shuffle(3).repeat()),
                         ("grain", Repeat(GrainShuffle(Source(n), 3)))):
         ds = lm_dataset(corpora, mode, order)
-        assert ds.plan.fingerprint() == node.lanes(4).batch(8).fingerprint()
+        assert ds.plan.fingerprint() == node.lanes(4).batch(8, remainder="drop").fingerprint()  # Grain's end
         got = take(iter(ds), 6)
         assert set(got[0]) == MAXTEXT
         assert all(v.shape == (8, SEQ) and v.dtype == np.int32 for v in got[0].values())

@@ -127,7 +127,6 @@ def test_the_schedule_is_in_the_plan_json_and_plans_without_one_are_unchanged():
     assert Node.mix(p.lanes.child.children, (0.9, 0.1), "tokens", schedule=SCHEDULE) == p.lanes.child
 
 
-@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")  # as tests/test_torch_backend.py
 def test_torch_dataloader_workers_follow_the_schedule_and_resume(corpora):
     """DataLoader workers split the lanes; each worker's lanes must change weights at the same
     step as the core loader's, also when resumed from a state_dict taken past the change."""

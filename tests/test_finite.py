@@ -52,7 +52,7 @@ def same(a, b):
 # --- issue 22, failure 1: ranks disagree on the last step --------------------------------------
 def test_issue_reproduction_gives_equal_step_counts():
     texts = np.array(["ab" if i % 2 == 0 else "x" * 40 for i in range(8)], dtype=object)
-    src, plan = ArraySource({"text": texts}), z.Source(8).lanes(2).batch(2)
+    src, plan = ArraySource({"text": texts}), z.Source(8).lanes(2).batch(2, remainder="drop")
     ops = lambda: [Tokenize(chars, name="chars"), Pack(8, "concat")]
     steps = lambda r, d: sum(1 for _ in z.Loader(plan, src, ops(), rank=r, world=d))
     assert (steps(0, 1), steps(0, 2), steps(1, 2)) == (1, 1, 1)

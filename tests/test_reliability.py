@@ -28,8 +28,6 @@ from _helpers import deadline, run_group  # tests/ is on sys.path under pytest's
 from zephon.checkpoint import STATE_VERSION, load_state, save_state
 from zephon.errors import DecodeError, PlanError, SourceError, StateError
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # os.fork() beside threads
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -44,30 +42,47 @@ def temps(d) -> list[str]:
     return sorted(n for n in os.listdir(d) if ".zephon-tmp-" in n)
 
 
+_KILL_DURING_SAVES = """
+import os, random, signal, sys, time
+from zephon.checkpoint import load_state, save_state
+from zephon.errors import StateError
+path, kills = sys.argv[1], int(sys.argv[2])
+state = {"zephon_state": int(sys.argv[3]), "step": -1, "blob": "x" * (2 << 20)}
+save_state(path, state)
+temps = lambda: sorted(n for n in os.listdir(os.path.dirname(path)) if ".zephon-tmp-" in n)
+torn = left_behind = 0
+rng = random.Random(0)
+for _ in range(kills):
+    pid = os.fork()
+    if pid == 0:  # the child saves in a loop until it is killed
+        try:
+            for step in range(1 << 30):
+                save_state(path, {**state, "step": step})
+        finally:
+            os._exit(0)
+    time.sleep(rng.uniform(0.002, 0.04))
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    try:
+        got = load_state(path)
+        torn += not (isinstance(got["step"], int) and got["blob"] == state["blob"])
+    except StateError:
+        torn += 1
+    left_behind += bool(temps())
+print(torn, left_behind)
+"""
+
+
 def test_kill_during_checkpoint_writes_never_tears_the_target_and_leaves_no_temp(tmp_path):
+    # the forking runs in a fresh interpreter: this one may have imported JAX (its threads make
+    # os.fork() here a deadlock risk), that one imports only the checkpoint module
     path = tmp_path / "loader.json"
     state = {"zephon_state": STATE_VERSION, "step": -1, "blob": "x" * (2 << 20)}
-    save_state(path, state)
-    kills, torn, left_behind = 40, 0, 0
-    rng = random.Random(0)
-    with deadline(30):
-        for _ in range(kills):
-            pid = os.fork()
-            if pid == 0:  # the child saves in a loop until it is killed
-                try:
-                    for step in range(1 << 30):
-                        save_state(path, {**state, "step": step})
-                finally:
-                    os._exit(0)
-            time.sleep(rng.uniform(0.002, 0.04))
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            try:
-                got = load_state(path)
-                torn += not (isinstance(got["step"], int) and got["blob"] == state["blob"])
-            except StateError:
-                torn += 1
-            left_behind += bool(temps(tmp_path))
+    kills = 40
+    done = run_group([sys.executable, "-c", _KILL_DURING_SAVES, str(path), str(kills), str(STATE_VERSION)],
+                     timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    torn, left_behind = (int(x) for x in done.stdout.split())
     save_state(path, state)  # the next save cleans up after the killed writers
     report(f"checkpoint: {kills} SIGKILLs during saves: {torn} torn targets, {left_behind} kills "
            f"left a temp file, {len(temps(tmp_path))} temp files after the next save")

@@ -299,16 +299,31 @@ def test_a_superseded_imap_refuses_to_continue():
             next(old)
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
-def test_every_start_method_gives_the_same_results(method):
-    if method not in __import__("multiprocessing").get_all_start_methods():
-        pytest.skip(f"no {method} here")
+def _same_results_with(method: str) -> None:
     with Processes(2, depth=3, start_method=method) as runner, deadline(120):
         got = list(runner.imap(sized, range(12)))
         assert [g["i"] for g in got] == list(range(12))
         assert all(np.array_equal(g["a"], sized(g["i"])["a"]) for g in got)
         with pytest.raises(KeyError, match="no record 4"):
             list(runner.imap(raise_at_4, range(6)))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_every_start_method_gives_the_same_results(method):
+    if method not in __import__("multiprocessing").get_all_start_methods():
+        pytest.skip(f"no {method} here")
+    if method != "fork":
+        _same_results_with(method)
+        return
+    # fork from a fresh interpreter: this one may have imported JAX, whose threads make a fork
+    # here a deadlock risk (and a RuntimeWarning)
+    from _helpers import run_group
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); import test_runners as t; "
+            "assert 'jax' not in sys.modules; t._same_results_with('fork'); print('ok')")
+    done = run_group([sys.executable, "-c", code], timeout=180, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_runners_satisfy_the_protocol():

@@ -23,7 +23,7 @@ def source() -> ArraySource:
 
 
 def plan():
-    return Source(N).shuffle(5).repeat(2).lanes(4).batch(B)
+    return Source(N).shuffle(5).repeat(2).lanes(4).batch(B, remainder="drop")
 
 
 def odd(cols):
@@ -133,7 +133,6 @@ def test_jax_loader_stats():
     assert s.stages["emit"] > 0
 
 
-@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")  # as tests/test_torch_backend.py
 def test_torch_loader_and_dataloader_stats():
     from zephon.backends import torch as tb
 

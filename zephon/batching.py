@@ -13,7 +13,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -124,9 +124,9 @@ class Lanes(Node, kind="Lanes"):
 
     def batch(self, size: int | None = None, *, schedule: Sequence[tuple[int, int]] | None = None,
               by: Literal["steps", "tokens"] = "steps", seq_len: int | None = None,
-              remainder: Remainder = "drop") -> Batch:
+              remainder: Remainder = "auto") -> Batch:
         """The plan's root: global batches of `size` rows, `size / count` from every lane;
-        `remainder` ("drop" or "pad") decides the end of a finite plan (see `Batch`).
+        `remainder` ("auto", "drop" or "pad") decides the end of a finite plan (see `Batch`).
 
         Or a batch-size `schedule` (a ramp-up), part of the plan: `((0, 256), (2000, 512), ...)`
         — from step 0 256 rows, from step 2000 512, ... With `by="tokens"` the first numbers are
@@ -197,7 +197,7 @@ def check_degree(lanes: int, world: int) -> None:
                         f"every degree you will use divides (e.g. lanes={math.lcm(lanes, world)}).")
 
 
-Remainder = Literal["drop", "pad"]
+Remainder = Literal["auto", "drop", "pad"]
 
 
 @dataclass(frozen=True)
@@ -212,17 +212,24 @@ class Batch(Node, kind="Batch"):
     "drop" ends at the last step every lane fills (records past it are not emitted); "pad"
     deals every position into the lanes and ends at the last step any lane has an output for,
     lanes that ran out filling their rows with zeros, and adds a boolean field `valid` (False on
-    those rows): every record — packed, every token — is emitted exactly once.
+    those rows): every record — packed, every token — is emitted exactly once. "auto" (the
+    default) is decided by the `Loader`: "pad" for a finite pipeline that changes the number of
+    records (filters, tokenize + pack, a mix by tokens: its lanes run out at different steps, and
+    dropping would lose whole lanes' tails), "drop" otherwise (one-to-one: less than one global
+    batch is left over, as PyTorch's `drop_last`). A loader's state records the plan it resolved,
+    so checkpoints of plans that drop keep their fingerprint (JSON without "remainder": "drop").
     """
 
     child: Lanes
     size: int
     schedule: tuple[tuple[int, int], ...] = ()
-    remainder: Remainder = "drop"
+    remainder: Remainder = "auto"
+    #: JSON without "remainder" is a plan that drops (written before "auto", or by a loader)
+    json_absent: ClassVar[dict[str, Any]] = {"remainder": "drop"}
 
     def __post_init__(self) -> None:
-        if self.remainder not in ("drop", "pad"):
-            raise PlanError(f"Batch remainder must be 'drop' or 'pad', got {self.remainder!r}")
+        if self.remainder not in ("auto", "drop", "pad"):
+            raise PlanError(f"Batch remainder must be 'auto', 'drop' or 'pad', got {self.remainder!r}")
         if not isinstance(self.child, Lanes):
             raise PlanError("Batch must wrap a Lanes node: build plans as "
                             "stream.lanes(L).batch(B) (B divisible by L).")

@@ -102,6 +102,9 @@ class Node:
     #: The node's name in plan JSON (`"type"`): part of the file format, so renaming or moving a
     #: class never breaks a saved plan. Set it with `class MyNode(Node, kind="my.Node")`.
     kind: ClassVar[str] = ""
+    #: Values of fields that `to_json` leaves out (keeping older plans' fingerprints) and whose
+    #: absence means something else than the constructor's default.
+    json_absent: ClassVar[dict[str, Any]] = {}
 
     def __init_subclass__(cls, kind: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -204,6 +207,8 @@ class Node:
             elif isinstance(v, list):
                 v = tuple(v)
             args[k] = v
+        for k, v in cls.json_absent.items():
+            args.setdefault(k, v)
         fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(args)
         unknown = sorted(set(args) - fields)
         if unknown:

@@ -54,6 +54,9 @@ class Stats:
     first_batch_s: float
     stages: dict[str, float] = field(default_factory=dict)
     workers: int = 1
+    #: what a finite plan's end leaves unemitted (`zephon.exec.end.Unemitted`: rows, tokens,
+    #: share), once the loader knows it — `remainder="drop"` with count-changing pipelines only
+    unemitted: Any = None
 
     @property
     def stall_pct(self) -> float:
@@ -165,6 +168,8 @@ class Telemetry:
         self._inner: list[Telemetry] = []
         self._external: dict[str, tuple[dict[str, float], int, int]] = {}
         self._bar: Any = None
+        #: set by the loader: what the plan's end leaves unemitted (see `Stats.unemitted`)
+        self.unemitted: Any = None
         self.reset()
 
     def reset(self) -> None:
@@ -290,8 +295,11 @@ class Telemetry:
             nbytes += sub.bytes_read
             workers = max(workers, sub.workers)
         wall = (self._last_end - self._start) if self._start is not None and self._last_end is not None else 0.0
+        unemitted = self.unemitted
+        for inner in self._inner:
+            unemitted = unemitted if unemitted is not None else inner.unemitted
         return Stats(self.steps, self.rows, self.tokens, nbytes, wall, self.wait_s, self.between_s,
-                     self.first_batch_s, stages, workers)
+                     self.first_batch_s, stages, workers, unemitted)
 
 
 def make(option: bool | Telemetry | None, total: int | None = None, workers: int = 1) -> Telemetry | None:

@@ -31,7 +31,7 @@ from zephon.backends.jax.placement import (
     plan_layout,
 )
 from zephon.backends.jax.prefetch import _End, _Failure, _Prefetcher
-from zephon.errors import PlanError
+from zephon.errors import PlanError, WorkerError
 from zephon.exec.loader import Loader, LocalBatch
 from zephon.exec.resize import check_micro_schedule
 from zephon.ops.base import Operator
@@ -116,6 +116,7 @@ class JaxLoader:
         self._state = self._loader.position()
         self._prefetcher: _Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
+        self._abandoned = False  # a prefetch thread did not stop in time (see zephon.closing)
         self._ended: _End | _Failure | None = None
         self._ahead: collections.deque[tuple[JaxBatch, dict[str, Any], LocalBatch]] = collections.deque()
         self._provenance: LocalBatch | None = None
@@ -205,11 +206,14 @@ class JaxLoader:
             raise PlanError("explain() describes the last batch received; take one first.")
         return self._provenance.explain()
 
-    def _halt(self) -> None:
+    def _halt(self, closing: bool = False) -> None:
         """Stops the prefetch thread; what it built ahead is dropped (the state is the consumed one)."""
-        if self._finalizer is not None:
-            self._finalizer()
+        if self._finalizer is not None and self._finalizer() is False:
+            self._abandoned = True  # its thread is still inside the loader: leave the loader to it
         self._prefetcher = self._finalizer = None
+        if self._abandoned and not closing:
+            raise WorkerError("this JaxLoader's prefetch thread did not stop (blocked in a read) and "
+                              "still runs its loader; build a new JaxLoader and restore its state there.")
         self._ahead.clear()
         self._last = None
 
@@ -236,8 +240,9 @@ class JaxLoader:
 
     def close(self) -> None:
         """Stops the prefetch thread and releases the loader; safe to call twice."""
-        self._halt()
-        self._loader.close()
+        self._halt(closing=True)
+        if not self._abandoned:
+            self._loader.close()
         if self._tel is not None:
             self._tel.close()
         self._ended = _End()

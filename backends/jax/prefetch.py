@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from zephon.backends.jax.batch import Emitter, HostBatch
+from zephon.closing import join_bounded
 from zephon.errors import WorkerError
 from zephon.exec.loader import Loader, LocalBatch
 
@@ -62,16 +63,18 @@ class _Prefetcher:
                                                 "closed meanwhile); restore a state or create a "
                                                 "new JaxLoader."))
 
-    def stop(self) -> None:
-        """Ends the thread and drops the batches it built ahead.
+    def stop(self) -> bool:
+        """Ends the thread and drops the batches it built ahead; False if the thread did not stop
+        within `zephon.closing.STOP_TIMEOUT_S` (abandoned, still inside the loader).
 
         Draining wakes a producer blocked on the full queue, so it sees the stop at once instead
         of after building another batch.
         """
         self._stop.set()
         self._drain()
-        self._thread.join()
+        stopped = join_bounded([self._thread], "JaxLoader's prefetch thread")  # never forever: zephon.closing
         self._drain()
+        return stopped
 
     def _drain(self) -> None:
         while True:

@@ -9,6 +9,7 @@ that change the number of records (filters, packing): each takes a block of the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -181,8 +182,14 @@ class ZephonDataLoader(DataLoader):
                 tel.external(f"worker {worker}", stages, nbytes, workers)
 
     def stats(self) -> Stats:
-        """Telemetry so far: the loop's stall %, the workers' stage times, rows/tokens/bytes."""
-        return require_telemetry(self._tel, "this ZephonDataLoader").stats()
+        """Telemetry so far: the loop's stall %, the workers' stage times, rows/tokens/bytes, and
+        what a dropping finite plan's end leaves (`unemitted`, counted where the end is)."""
+        s = require_telemetry(self._tel, "this ZephonDataLoader").stats()
+        main = getattr(self.dataset, "_main", None)  # the loader that counted the end, if any
+        unemitted = getattr(main, "unemitted", None)
+        if s.unemitted is None and unemitted is not None:
+            s = dataclasses.replace(s, unemitted=unemitted)
+        return s
 
     def _joined(self, parts: Iterator[WorkerPart], generation: int, step: int) -> Iterator[dict[str, Any]]:
         workers = self.num_workers

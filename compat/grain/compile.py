@@ -269,7 +269,8 @@ def compile_pipeline(op: _Op, config: _Config) -> _Compiled:
         # packing or token-mixed lane consumes documents at its own pace, so it just reads
         # its share of the Grain-ordered stream
         stream = ContiguousBatches(stream, lanes, rows // lanes)
-    plan = Batch(stream.lanes(lanes, config.mapping), rows, schedule)
+    # Grain's end (partial batches, drop_remainder) is the tail's: the plan drops
+    plan = Batch(stream.lanes(lanes, config.mapping), rows, schedule, remainder="drop")
     transforms = with_collate(built.chain) if size is not None else built.chain
     return _Compiled(plan, built.node, dict(enumerate(ctx.sources)), transforms)
 

@@ -103,7 +103,7 @@ class DataLoader:
         if not identity:
             stream = GrainLoaderOrder(stream, count, per_shard, self.workers)
             stream = ContiguousBatches(stream, lanes, rows // lanes)
-        self.plan = stream.lanes(lanes).batch(rows)
+        self.plan = stream.lanes(lanes).batch(rows, remainder="drop")  # Grain's end: its own
         self.transforms = with_collate(tuple(transforms)) if self.batched else tuple(transforms)
         self.sources = {0: GrainSource(data_source)}
         self.rank = index if rank is None else rank

@@ -21,6 +21,9 @@ from typing import Any
 import grain
 import numpy as np
 
+from zephon.closing import join_bounded
+from zephon.errors import WorkerError
+
 from .cipher import index_shuffle
 from .order import mix_selection
 
@@ -141,6 +144,7 @@ class PrefetchStep(Step):
         self._q: queue.Queue[Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._abandoned = False
 
     @staticmethod
     def _run(parent: Any, q: queue.Queue[Any], stop: threading.Event) -> None:
@@ -178,7 +182,15 @@ class PrefetchStep(Step):
     def _halt(self) -> None:
         if self._thread is not None:
             self._stop.set()
-            self._thread.join()
+            q = self._q
+            while q is not None:  # wakes a producer blocked on the full queue
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    break
+            # bounded: a parent stuck in a read is abandoned (daemon) with a warning
+            if not join_bounded([self._thread], "a Grain-compatible ThreadPrefetchIterDataset iterator"):
+                self._abandoned = True  # the thread still runs the parent: never touch it again
         self._q, self._thread = None, None
 
     def get_state(self) -> dict[str, Any]:
@@ -186,12 +198,16 @@ class PrefetchStep(Step):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._halt()
+        if self._abandoned:
+            raise WorkerError("this iterator's prefetch thread did not stop (blocked in a read) and "
+                              "still holds its parent; build a new iterator and restore the state there.")
         self.parent.set_state(state["parent"])
         self._state = state["parent"]
 
     def close(self) -> None:
         self._halt()
-        super().close()
+        if not self._abandoned:  # an abandoned thread is inside the parent: leave it to it
+            super().close()
 
     def __del__(self) -> None:
         self._stop.set()

@@ -21,7 +21,7 @@ from zephon.accounting import domain_fields
 from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.batch import LocalBatch, check_micro_count
-from zephon.exec.end import AllGather, FiniteEnd
+from zephon.exec.end import AllGather, FiniteEnd, Unemitted
 from zephon.exec.lanes import LaneEngine
 from zephon.exec.padding import VALID, Schema
 from zephon.exec.pipeline import LanePipeline
@@ -136,6 +136,13 @@ class Loader(FiniteEnd, Resumable):
         #: Whether batches are random access (every lane position is `step × B/L`).
         self.random_access = self.pipeline.one_to_one and not self.token_mix
         self.one_to_one = self.random_access
+        if plan.remainder == "auto":  # pad where lanes run out at different steps (see Batch)
+            self.plan = plan = dataclasses.replace(
+                plan, remainder="pad" if not self.random_access and self.finite else "drop")
+        #: what the plan's end leaves unemitted in an epoch (`remainder="drop"`), once known
+        self.unemitted: Unemitted | None = None
+        self._unemitted_said = False
+        self._seen = [0, 0]
         self.runner = runner
         self.read_ahead = READ_AHEAD_ROWS if read_ahead is None else check_positive_int(read_ahead, "read_ahead")
         #: lane positions relative to the plan's (a random-access run resumed at another batch size)
@@ -265,6 +272,7 @@ class Loader(FiniteEnd, Resumable):
         self._step = step
         self._done = self._exhausted = False
         self._everyone = None
+        self._seen = [0, 0]
 
     def _need_random_access(self, what: str) -> None:
         if not self.random_access:

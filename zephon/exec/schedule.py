@@ -144,43 +144,64 @@ def _counts_each(mix: Mix, chain: Sequence[Transform]) -> tuple[int, int | None]
     return (1 if last.bos is not None or last.eos is not None else 0), cut
 
 
+#: A mix counter at or past this is refused whatever the pipeline: counts compared as floats
+#: (by any tool reading the state) stop being exact there, and no run reads 2**53 tokens per lane.
+MAX_COUNTER = 2**53
+
+
+def _bounds(mix: Mix, pipeline: LanePipeline, child: object) -> tuple[int, int | None] | None:
+    """What one consumed input of a branch counts: (at least, at most or None); None when
+    nothing is known (an operator may make several records of one input)."""
+    chains = [_chain(pipeline, sid) for sid in sorted({s.id for s in leaf_sources(child)})]  # type: ignore[arg-type]
+    if not chains or any(t.expands for c in chains for t in c):
+        return None
+    each = [_counts_each(mix, c) for c in chains]
+    # an input gives at most one record; only one-to-one chains give exactly one (a lower bound)
+    lo = min(lo for lo, _ in each) if all(t.one_to_one for c in chains for t in c) else 0
+    tops = [hi for _, hi in each]
+    return lo, None if None in tops else max(t for t in tops if t is not None)
+
+
 def check_counters(mix: Mix, pipeline: LanePipeline, step: int, lanes: Iterable[tuple[int, LaneState]]) -> None:
     """Refuses lanes whose mix counters cannot agree with their cursors.
 
     A lane's counter of branch b sums what each record it consumed from b counted since the
-    last weight change; its cursor says how many inputs of b it consumed since step 0. When no
-    weight change lies before `step` and every input of b gives exactly one record (one-to-one
-    row operators), the inputs consumed bound the counter: by samples it equals them; by tokens
-    it is at least them when the branch's `Tokenize` adds BOS/EOS (writing the counted column
-    last), and at most `max_tokens` times them when that Tokenize truncates. Where no bound is
-    known (filters, split documents, trained tokens, a weight change) nothing is refused.
+    last weight change; its cursor says how many inputs of b it consumed since step 0. Where
+    every input of b gives at most one record (row operators that keep or drop it: maps,
+    filters, a truncating `Tokenize`), the inputs consumed bound the counter from above: by
+    samples one per input, by tokens `max_tokens` per input when the branch's `Tokenize`
+    (writing the counted column last) truncates — at any step, since a weight change only
+    restarts the counter. From below, when no weight change lies before `step` and every input
+    gives exactly one record (one-to-one): by samples the counter equals the inputs, by tokens
+    it is at least them when the Tokenize adds BOS/EOS. A counter at or past 2**53
+    (`MAX_COUNTER`) is always refused. Where no bound is known (split documents, flat maps,
+    trained tokens, a tokenizer that does not truncate) only that limit applies.
     """
-    if any(s < step for s, _ in mix.schedule):  # the counters restarted at a weight change
-        return
-    bounds: list[tuple[int, int | None] | None] = []  # per branch: per input (at least, at most)
-    for child in mix.children:
-        chains = [_chain(pipeline, sid) for sid in sorted({s.id for s in leaf_sources(child)})]
-        each = [_counts_each(mix, c) for c in chains]
-        if not chains or not all(t.one_to_one for c in chains for t in c):
-            bounds.append(None)
-            continue
-        tops = [hi for _, hi in each]
-        bounds.append((min(lo for lo, _ in each), None if None in tops else max(t for t in tops if t is not None)))
+    restarted = any(s < step for s, _ in mix.schedule)  # the counters restarted at a weight change
+    bounds = [_bounds(mix, pipeline, child) for child in mix.children]
     what = "tokens" if mix.by_tokens else "records"
     for lane, st in lanes:
         for b, (m, bound) in enumerate(zip(st.mix, bounds)):
-            if bound is None:
-                continue
             consumed = st.cursor[b] + (st.skip[b] > 0)  # a partly used input was consumed
-            lo, hi = consumed * bound[0], None if bound[1] is None else consumed * bound[1]
+            lo = 0 if restarted or bound is None else consumed * bound[0]
+            hi = None if bound is None or bound[1] is None else consumed * bound[1]
             if lo <= m and (hi is None or m <= hi):
-                continue
+                if m < MAX_COUNTER:
+                    continue
+                raise StateError(f"lane {lane} of the state counts {m} {what} of source branch {b} ('mix') "
+                                 f"after consuming {consumed} of its inputs ('cursor'): at or beyond "
+                                 f"2**53, more than any run reads. The state was edited or is corrupt: "
+                                 "restore the checkpoint as save_state wrote it.")
+            assert bound is not None
             if lo == hi:
                 need = f"exactly {lo}: a mix by samples counts one per record"
             elif m < lo:
                 need = f"at least {lo}: every record of it counts at least one token (its Tokenize adds BOS/EOS)"
+            elif not mix.by_tokens:
+                need = f"at most {hi}: a mix by samples counts one per record, and each input gives at most one"
             else:
-                need = f"at most {hi}: its Tokenize truncates every record to {bound[1]} tokens"
+                need = (f"at most {hi}: its Tokenize truncates every record to {bound[1]} tokens, and "
+                        "each input gives at most one record")
             raise StateError(f"lane {lane} of the state counts {m} {what} of source branch {b} ('mix') "
                              f"after consuming {consumed} of its inputs ('cursor'); the counter must be "
                              f"{need}. The state was edited or its counters come from another run: "

@@ -11,9 +11,10 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
+from zephon.closing import DaemonPool
 from zephon.errors import check_positive_int
 from zephon.runners.base import END, R, T, available_cores, set_native_threads
 
@@ -32,7 +33,7 @@ class Threads:
     def __init__(self, workers: int | None = None, *, depth: int | None = None) -> None:
         self.workers = check_positive_int(available_cores() if workers is None else workers, "threads(workers)")
         self.depth = check_positive_int(2 * self.workers if depth is None else depth, "threads(depth)")
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: DaemonPool | None = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -45,14 +46,15 @@ class Threads:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["workers"], depth=state["depth"])  # type: ignore[misc]
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _executor(self) -> DaemonPool:
         with self._lock:
             if self._pool is None:
                 # each thread's share of the cores for native engines, which would otherwise
                 # each start a pool as large as the machine
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="zephon",
-                                                initializer=set_native_threads,
-                                                initargs=(max(1, available_cores() // self.workers),))
+                # daemon threads: a worker stuck in a read never holds up close() past its
+                # bound, nor the interpreter's exit (zephon.closing)
+                self._pool = DaemonPool(self.workers, "zephon", initializer=set_native_threads,
+                                        initargs=(max(1, available_cores() // self.workers),))
             return self._pool
 
     def imap(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
@@ -65,14 +67,15 @@ class Threads:
                 result = window.popleft().result()
                 nxt = next(source, END)
                 if nxt is not END:
-                    window.append(pool.submit(fn, nxt))  # type: ignore[arg-type]
+                    window.append(pool.submit(fn, nxt))
                 yield result
         finally:
             for fut in window:
                 fut.cancel()
 
     def close(self) -> None:
-        """Shuts the pool down (waiting for running items, cancelling queued ones)."""
+        """Shuts the pool down: cancels queued items and waits for running ones at most
+        `zephon.closing.STOP_TIMEOUT_S` (a thread still running is abandoned with a warning)."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:

@@ -78,21 +78,31 @@ class Server:
         return time.monotonic() - t0
 
 
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGKILL when the process that started it dies, so a
-    test run killed before its teardown leaves no server behind."""
-    try:
-        import ctypes
+#: Run in a fresh interpreter before exec'ing the server (Linux): SIGKILL when the process that
+#: started it dies, so a test run killed before its teardown leaves no server behind. A launcher
+#: rather than a `preexec_fn`, which runs Python in a forked copy of this process between fork
+#: and exec — a deadlock risk once threads run here (JAX warns "os.fork() was called ...").
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):  # the parent died before the prctl
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+
+def _die_with_parent(args: list[str]) -> list[str]:
+    """`args` started through the launcher that ties the server's life to this process's."""
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *args]
 
 
 def _launch(args: list[str], workdir: str, log: str) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=workdir,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+        return subprocess.Popen(_die_with_parent(args), stdout=out, stderr=subprocess.STDOUT, cwd=workdir,
+                                start_new_session=True)
 
 
 def _binary(name: str) -> str:
