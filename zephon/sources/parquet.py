@@ -178,6 +178,25 @@ class ParquetSource(FileHandles):
     def __len__(self) -> int:
         return int(self._group_ends[-1]) if len(self._group_ends) else 0
 
+    def natural_block(self) -> int:
+        """The rows of a row group (the largest, when they differ): a block shuffle's unit,
+        read as one ranged GET per column chunk. Blocks align with row groups when every row
+        group but each file's last has this many rows (as `write_parquet` and most writers do)."""
+        return int(np.max(self._group_ends - self._group_starts))
+
+    def follow_blocks(self, block: int, capacity: int) -> None:
+        """Under a block shuffle: keep the decoded row groups of `capacity` blocks of `block`
+        rows (about two windows' worth), so each row group is fetched and decoded once a window."""
+        per = int(np.max(self._group_ends - self._group_starts))
+        self.cache_row_groups = max(self.cache_row_groups, int(capacity) * (-(-int(block) // per) + 1))
+
+    def block_stats(self) -> dict[str, int]:
+        """Row groups held decoded now, and the most the cache may hold."""
+        with self._cache_lock:
+            held = list(self._cache.values())
+        return {"capacity_groups": self.cache_row_groups, "held_groups": len(held),
+                "held_bytes": sum(int(sum(_nbytes(v) for v in cols.values())) for cols in held)}
+
     def __repr__(self) -> str:
         return f"ParquetSource({self._head()}, columns={self.columns})"
 
@@ -277,6 +296,12 @@ class ParquetSource(FileHandles):
                                   "Rewrite it (write_parquet adds page checksums), or leave the "
                                   "column out with `columns=`.") from e
         return out
+
+def _nbytes(values: np.ndarray) -> int:
+    if values.dtype == object:  # strings / bytes / ragged lists: their payloads, roughly
+        return int(values.nbytes) + sum(len(v) if hasattr(v, "__len__") else 8 for v in values)
+    return int(values.nbytes)
+
 
 def _same_schema(a: Any, b: Any) -> bool:
     """Whether two footers give the same Arrow schema: the same Parquet schema and the same
