@@ -125,3 +125,21 @@ def test_ranged_reader_decodes_every_writer_layout(tmp_path, options):
     logical[32] ^= 1  # the decoded size in the chunk header no longer matches the records
     with pytest.raises(ValueError, match="chunk header says"):
         chunk_values(bytes(logical))
+
+
+@pytest.mark.parametrize("options", ["group_size:1", "group_size:7", "group_size:1,uncompressed",
+                                     "group_size:5,snappy"])
+def test_whole_runs_of_chunks_decode_as_the_records(tmp_path, options):
+    """The block shuffle's read: a run of consecutive chunks fetched as one range and decoded
+    together (numpy-parsed headers for one-record chunks, chunk by chunk otherwise)."""
+    from zephon.sources.array_record_remote import read_runs
+
+    rng = np.random.default_rng(3)
+    records = [rng.integers(0, 50_000, int(rng.integers(0, 400)), dtype=np.int32).tobytes()
+               for _ in range(3000)]
+    path = tmp_path / "r.array_record"
+    write_array_record(path, records, options)
+    reader = RangedArrayRecord(open_blob(str(path)))
+    spans = [(0, 1), (0, 3000), (17, 940), (2999, 3000), (1500, 1501)]
+    got = read_runs([reader] * len(spans), spans)
+    assert got == [records[a:b] for a, b in spans]

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import SourceError
 from ..storage import Blob
-from .array_record_remote import pin, ranged_reader, read_records
+from .array_record_remote import pin, ranged_reader, read_records, read_runs
 from .base import Columns, as_indices
 from .blocks import BlockCache, BlockStats, natural_block
 from .files import FileStamp, changed, check_unchanged, stamp
@@ -247,18 +247,24 @@ class ArrayRecordSource(FileHandles):
     def _fetch_blocks(self, blocks: list[int]) -> list[tuple[np.ndarray, int]]:
         """The records of whole blocks (every shard's chunks requested together)."""
         b, n = self._blocks.block, len(self)  # type: ignore[union-attr]
-        spans = [np.arange(k * b, min(n, (k + 1) * b), dtype=np.int64) for k in blocks]
-        every = np.concatenate(spans)
-        shard = np.searchsorted(self._ends, every, side="right")
-        local = every - self._starts[shard]
-        out = np.empty(len(every), dtype=object)
-        shards = np.unique(shard).tolist()
-        readers = [self._reader(s) for s in shards]
-        got = read_records(readers, [local[shard == s] for s in shards])
-        for s, recs in zip(shards, got):
-            out[shard == s] = np.fromiter(recs, dtype=object, count=len(recs))
-        cuts = np.cumsum([len(x) for x in spans])[:-1]
-        return [(part, sum(map(len, part))) for part in np.split(out, cuts)]
+        pieces: list[tuple[int, int, int, int]] = []  # (block, shard, first, end) in shard records
+        for k in blocks:
+            lo, hi = k * b, min(n, (k + 1) * b)
+            for s in range(int(np.searchsorted(self._ends, lo, side="right")),
+                           int(np.searchsorted(self._ends, hi - 1, side="right")) + 1):
+                start = int(self._starts[s])
+                pieces.append((k, s, max(lo, start) - start, min(hi, int(self._ends[s])) - start))
+        got = read_runs([self._reader(s) for _, s, _, _ in pieces], [(a, e) for _, _, a, e in pieces])
+        parts: dict[int, list[bytes]] = {}
+        for (k, _, _, _), recs in zip(pieces, got):
+            parts.setdefault(k, []).extend(recs)
+        out = []
+        for k in blocks:
+            recs = parts[k]
+            arr = np.empty(len(recs), dtype=object)
+            arr[:] = recs
+            out.append((arr, sum(map(len, recs))))
+        return out
 
     def _read_ranged(self, groups: list[tuple[int, np.ndarray]], local: np.ndarray) -> dict[int, list[bytes]]:
         """Records of objects in a bucket: every shard's chunks requested together. On a damaged
