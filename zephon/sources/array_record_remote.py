@@ -353,22 +353,17 @@ def decode_run(data: bytes, start: int, begins: np.ndarray) -> list[bytes]:
     if simple and codec in (0, ord("z")) and np.all(b[d] == codec):
         vstart = d + 2 + b[d + 1].astype(np.int64)  # past the codec byte, the sizes' length, the sizes
         if codec == 0:
-            cuts = list(zip(vstart.tolist(), (d + data_size).tolist()))
-            out = [logical[x:y] for x, y in cuts]
-        else:
-            sizes, vstart = _small_varints(b, vstart)
-            zstd = _zstd()
-            if zstd is not None and np.all(sizes == decoded_size):
-                view = memoryview(logical)
-                out = []
-                for x, y, n in zip(vstart.tolist(), (d + data_size).tolist(), sizes.tolist()):
-                    rec = zstd.decompress(view[x:y], max_output_size=n)
-                    if len(rec) != n:
-                        raise ValueError(f"decompressed to {len(rec)} bytes, expected {n}")
-                    out.append(rec)
-                return out
-            out = None  # type: ignore[assignment]
-        if out is not None:
+            return [logical[x:y] for x, y in zip(vstart.tolist(), (d + data_size).tolist())]
+        sizes, vstart = _small_varints(b, vstart)
+        zstd = _zstd()
+        if zstd is not None and np.all(sizes == decoded_size):
+            view = memoryview(logical)
+            out = []
+            for x, y, n in zip(vstart.tolist(), (d + data_size).tolist(), sizes.tolist()):
+                rec = zstd.decompress(view[x:y], max_output_size=n)
+                if len(rec) != n:
+                    raise ValueError(f"decompressed to {len(rec)} bytes, expected {n}")
+                out.append(rec)
             return out
     return [r for x, y in zip(off.tolist(), ends.tolist()) for r in decode_chunk(logical[x:y])]
 
