@@ -178,3 +178,25 @@ def test_cli_explain_quality(tmp_path, capsys):
     assert main(["explain", str(path), "--quality", "--rho", "0.3"]) == 0
     out = capsys.readouterr().out
     assert "P(same block)" in out and "rho=0.3" in out and "windows of 128 blocks" in out
+
+
+def test_block_cache_is_bounded_and_reports_its_memory():
+    from zephon.sources.blocks import BlockCache, natural_block
+
+    fetched: list[list[int]] = []
+
+    def fetch(blocks):
+        fetched.append(list(blocks))
+        return [(np.array([bytes([k, j]) for j in range(4)], dtype=object), 8) for k in blocks]
+
+    cache = BlockCache(block=4, capacity=3)
+    got = cache.gather(np.array([0, 5, 9, 1]), fetch)  # blocks 0, 1, 2
+    assert got.tolist() == [b"\x00\x00", b"\x01\x01", b"\x02\x01", b"\x00\x01"]
+    assert cache.gather(np.array([2, 3]), fetch).tolist() == [b"\x00\x02", b"\x00\x03"]  # a hit
+    assert fetched == [[0, 1, 2]]
+    cache.gather(np.array([13, 17]), fetch)  # blocks 3, 4: two evicted (least recently used)
+    s = cache.stats()
+    assert (s.fetched, s.hits, s.held_blocks, s.held_bytes, s.peak_bytes) == (5, 1, 3, 24, 40)
+    cache.gather(np.array([5]), fetch)  # block 1 was evicted: fetched again
+    assert fetched[-1] == [1]
+    assert natural_block(1 << 30, 1 << 20, unit=1) == 256 and natural_block(100, 10, unit=7) == 26215

@@ -97,3 +97,16 @@ def test_parquet_row_group_blocks_fetch_at_most_1_2x_the_bytes_needed(s3, batch)
     local = ParquetSource(f"{s3['local']}/t.parquet", columns=["text"])
     with z.Loader(plan, local) as loader:
         assert all(np.array_equal(a, next(loader).data["text"]) for a in got)
+
+
+def test_threads_and_worker_processes_read_the_same_block_shuffled_batches(s3):
+    from zephon.runners import processes, threads
+
+    plan = z.Source(N).block_shuffle(9, block=512).repeat().lanes(8).batch(256)
+    want = [b.data["x"][:, 0] for _, b in zip(range(12), z.Loader(plan, ArrayRecordSource(
+        f"{s3['local']}/ar.array_record", SPEC)))]
+    for runner in (threads(2), processes(2)):
+        src = ArrayRecordSource(f"{s3['base']}/ar.array_record", SPEC)
+        with z.Loader(plan, src, runner=runner, read_ahead=1024) as loader:
+            got = [next(loader).data["x"][:, 0] for _ in range(12)]
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)), runner
