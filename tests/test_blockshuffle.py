@@ -129,8 +129,14 @@ def test_global_batches_identical_at_every_degree_runner_and_resume():
     zt.assert_resumes(block_pipeline, stops=(5,), degrees=((2, 8), (8, 1)), steps=10)
 
 
-def test_composes_with_mix_filter_and_pack_at_every_degree_and_across_a_resume():
-    for factory in (block_mix_filter, block_packed):
+def block_schedule():
+    """A batch-size ramp (16 rows, then 64 from step 5): the window is 2 × 64 blocks."""
+    plan = z.Source(3000).block_shuffle(6, block=8).repeat().lanes(8).batch(schedule=((0, 16), (5, 64)))
+    return zt.Pipeline(plan, ArraySource({"x": np.arange(3000)}))
+
+
+def test_composes_with_mix_filter_pack_and_schedules_at_every_degree_and_across_a_resume():
+    for factory in (block_mix_filter, block_packed, block_schedule):
         zt.assert_elastic(factory, degrees=(1, 2, 4), steps=8)
         zt.assert_resumes(factory, stops=(4,), degrees=((2, 4),), steps=8)
 
