@@ -299,7 +299,37 @@ def block_cases(args, data: Path, names: dict[str, str], proxies: dict, servers:
                 out.append({"format": kind, "storage": scheme, "latency_ms": latency * 1000, "batch": batch, **case})
                 print(json.dumps(out[-1]), flush=True)
             point(proxies, scheme, 0.0)
+        if kind == "ar":
+            point(proxies, "s3", 0.02)
+            out.append({"format": kind, "storage": "s3", "latency_ms": 20.0, "batch": batch,
+                        **ranks_of_64(kind, f"s3://{BUCKET}/d", names, batch)})
+            print(json.dumps(out[-1]), flush=True)
+            point(proxies, "s3", 0.0)
     return out
+
+
+def ranks_of_64(kind: str, base: str, names: dict[str, str], batch: int, ranks=(0, 1, 2)) -> dict:
+    """D = 64 simulated: a few ranks of 64 (64 lanes), each with its own source (as its own host
+    would), two epochs each; the requests each sends per row it reads."""
+    per = []
+    for rank in ranks:
+        src = make_source(kind, base, names)
+        plan = Source(len(src)).block_shuffle(7).repeat().lanes(64).batch(batch)
+        steps = 2 * (len(src) // batch)
+        req0 = storage.STATS["requests"]
+        # reads of one epoch of this rank's lane (the default read-ahead, 16384 rows, would read
+        # ten epochs of one lane at once: the rows counted are the rows read)
+        with Loader(plan, src, rank=rank, world=64, read_ahead=len(src) // 64) as loader:
+            for _ in range(steps):
+                next(loader)
+        stats = src.block_stats()
+        rows = steps * batch // 64
+        per.append({"rank": rank, "rows": rows, "requests": storage.STATS["requests"] - req0,
+                    "requests_per_row": (storage.STATS["requests"] - req0) / rows,
+                    "blocks_fetched": stats.fetched, "peak_bytes": stats.peak_bytes,
+                    "capacity_blocks": stats.capacity})
+    return {"shuffle": "block", "simulated": "D=64, ranks " + ",".join(map(str, ranks)), "ranks": per,
+            "requests_per_row": max(p["requests_per_row"] for p in per)}
 
 
 def point(proxies: dict, scheme: str, latency: float) -> None:
@@ -408,8 +438,21 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, kind, title in zip(axes, ("ar", "pq"), ("ArrayRecord 256 x int32", "Parquet text")):
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
+    blocks = [r for r in result.get("block_shuffle", []) if "rows_per_s" in r]
+    ax = axes[2]
+    labels = [f"{r['format']} {r['storage']}\n{int(r['latency_ms'])} ms" for r in blocks]
+    ax.bar(range(len(blocks)), [r["rows_per_s"] for r in blocks],
+           color=["grey" if r["storage"].startswith("local") else "tab:green" for r in blocks])
+    for i, r in enumerate(blocks):
+        if "vs_local" in r:
+            ax.text(i, r["rows_per_s"], f"{100 * r['vs_local']:.0f}%", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(blocks)), labels, rotation=90, fontsize=6)
+    ax.set_ylabel("rows/s (whole epoch, B = 1024)")
+    ax.set_yscale("log")
+    ax.set_title("block shuffle (default block, window = 2B blocks)")
+    for ax, kind, title in zip(axes, ("ar", "pq"), ("ArrayRecord 256 x int32 (global shuffle)",
+                                                   "Parquet text (global shuffle)")):
         rows = [r for r in result["rows"] if r["format"] == kind]
         labels = [f"{r['storage']}\n{int(r['latency_ms'])} ms B={r['batch']}" for r in rows]
         ax.bar(range(len(rows)), [r["rows_per_s"] for r in rows],

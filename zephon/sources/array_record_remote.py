@@ -384,23 +384,56 @@ def _small_varints(b: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarra
     raise ValueError("a record size varint longer than 4 bytes")
 
 
+#: spans fetched per request round of `read_runs`: the rounds overlap (in threads) with the
+#: decoding of the rounds before them, so a read of many blocks decodes while it downloads
+RUN_GROUP = 8
+_run_pool: Any = None
+_run_pool_lock = threading.Lock()
+
+
+def _fetch_pool() -> Any:
+    global _run_pool
+    with _run_pool_lock:
+        if _run_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _run_pool = ThreadPoolExecutor(8, thread_name_prefix="zephon-runs")
+        return _run_pool
+
+
 def read_runs(readers: list[RangedArrayRecord], spans: list[tuple[int, int]]) -> list[list[bytes]]:
     """The records `lo..hi-1` of `readers[k]` for each `spans[k]` (records of whole chunks are
-    fetched as one range per span and decoded together): the block shuffle's whole-block read."""
+    fetched as one range per span and decoded together): the block shuffle's whole-block read.
+    Spans go out in rounds of `RUN_GROUP`, all rounds at once; each is decoded as it arrives."""
     plans = []
     for r, (lo, hi) in zip(readers, spans):
         c0 = int(np.searchsorted(r.chunk_first, lo, side="right") - 1)
         c1 = int(np.searchsorted(r.chunk_first, hi - 1, side="right") - 1)
         plans.append((c0, c1, int(r.chunk_begin[c0]), int(r.chunk_end[c1])))
-    raws = read_blobs([(r.blob, [(a, e - a)]) for r, (_, _, a, e) in zip(readers, plans)])
-    out = []
-    for r, (lo, hi), (c0, c1, a, _), (raw,) in zip(readers, spans, plans, raws):
-        try:
-            recs = decode_run(raw, a, r.chunk_begin[c0:c1 + 1])
-        except ValueError as e:
-            raise RuntimeError(f"chunks at bytes {a}.. are damaged: {e}") from e
-        first = int(r.chunk_first[c0])
-        out.append(recs[lo - first:hi - first])
+    items = [(r.blob, [(a, e - a)]) for r, (_, _, a, e) in zip(readers, plans)]
+    groups = [items[i:i + RUN_GROUP] for i in range(0, len(items), RUN_GROUP)]
+    if len(groups) > 1:
+        pool = _fetch_pool()
+        futures = [pool.submit(read_blobs, g) for g in groups]
+        rounds = (f.result() for f in futures)
+    else:
+        rounds = (read_blobs(g) for g in groups)
+    out: list[list[bytes]] = []
+    try:
+        for raws in rounds:
+            for (raw,) in raws:
+                k = len(out)
+                r, (lo, hi), (c0, c1, a, _) = readers[k], spans[k], plans[k]
+                try:
+                    recs = decode_run(raw, a, r.chunk_begin[c0:c1 + 1])
+                except ValueError as e:
+                    raise RuntimeError(f"chunks at bytes {a}.. are damaged: {e}") from e
+                first = int(r.chunk_first[c0])
+                out.append(recs[lo - first:hi - first])
+    finally:
+        if len(groups) > 1:
+            for f in futures:
+                f.cancel()
     return out
 
 
