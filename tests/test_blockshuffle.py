@@ -184,6 +184,9 @@ def test_cli_explain_quality(tmp_path, capsys):
     assert main(["explain", str(path), "--quality", "--rho", "0.3"]) == 0
     out = capsys.readouterr().out
     assert "P(same block)" in out and "rho=0.3" in out and "windows of 128 blocks" in out
+    assert main(["explain", str(path), "--step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "BlockShuffle(seed=11): blocks of 8 records" in out and "windows of 128 blocks" in out
 
 
 def test_block_cache_is_bounded_and_reports_its_memory():

@@ -133,12 +133,8 @@ class BlockShuffle(PassThrough, kind="BlockShuffle"):
             blocks[is_full] = permute(j[is_full], full, self.seed, key_epoch[is_full])
         return blocks * b + slot % b
 
-    # --- reading ---------------------------------------------------------------------------
-    def blocks_of(self, records: np.ndarray) -> np.ndarray:
-        """The block of each record index (within its epoch): what a reader fetches whole."""
-        return np.asarray(records, np.int64) // int(self.block)
-
     def explain_text(self) -> str:
+        """One line saying what this node does with its numbers (`zephon explain` prints it)."""
         return (f"BlockShuffle(seed={self.seed}): blocks of {self.block} records permuted per "
                 f"epoch, records permuted within windows of {self.window} blocks "
                 f"({_times(self.block, self.window)} records), {self.stripes} stripes "

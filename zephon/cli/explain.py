@@ -63,6 +63,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         return 0
     if _is_plan_target(args.target):
         plan = load_plan(args.target)
+        from zephon.blockshuffle import block_shuffles
+
+        for node in block_shuffles(plan):  # the order's own numbers (block, window, stripes)
+            print(node.explain_text())
         plan_rows = plan.explain(args.step)
         sel = _row_range(args.rows, len(plan_rows))
         print(f"{'row':>5} {'lane':>5} {'source':>6} {'record':>14} {'epoch':>6}")
