@@ -143,3 +143,10 @@ def test_whole_runs_of_chunks_decode_as_the_records(tmp_path, options):
     spans = [(0, 1), (0, 3000), (17, 940), (2999, 3000), (1500, 1501)]
     got = read_runs([reader] * len(spans), spans)
     assert got == [records[a:b] for a, b in spans]
+    # tiny chunks (1 KiB records that compress to a few bytes): some begin exactly at a 64 KiB
+    # block boundary, their bytes after its header
+    same = [np.full(256, i, np.int32).tobytes() for i in range(20_000)]
+    write_array_record(tmp_path / "s.array_record", same, options)
+    reader = RangedArrayRecord(open_blob(str(tmp_path / "s.array_record")))
+    spans = [(i * 350, min(20_000, (i + 1) * 350)) for i in range(58)]
+    assert read_runs([reader] * len(spans), spans) == [same[a:b] for a, b in spans]

@@ -229,8 +229,9 @@ class ArrayRecordSource(FileHandles):
             try:
                 records = blocks.gather(idx, self._fetch_blocks)
                 groups = []
-            except RuntimeError:  # a damaged chunk: read record by record below, which names it
-                pass
+            except RuntimeError as e:  # a damaged chunk: read record by record below, which names it
+                log.warning("%s: a whole-block read failed (%s); reading these records one chunk "
+                            "at a time", self._what, e)
         got = self._read_ranged(ranged, local) if ranged and groups else {}
         for s, positions in groups:
             recs = got[s] if s in got else self._read_shard(s, local[positions], idx[positions])

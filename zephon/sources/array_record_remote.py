@@ -332,7 +332,9 @@ def decode_run(data: bytes, start: int, begins: np.ndarray) -> list[bytes]:
     anything else is decoded chunk by chunk."""
     logical = strip_block_headers(data, start)
     rel = begins - start
-    off = rel - BLOCK_HEADER * ((begins // BLOCK) - (start // BLOCK))  # block headers removed before
+    # Block headers removed before each chunk: those at boundaries in [start, begin) — a chunk
+    # may begin right at a boundary, its bytes after that boundary's header.
+    off = rel - BLOCK_HEADER * ((begins + BLOCK - 1) // BLOCK - (start + BLOCK - 1) // BLOCK)
     ends = np.append(off[1:], len(logical))
     b = np.frombuffer(logical, dtype=np.uint8)
     if len(b) < int(off[-1]) + CHUNK_HEADER + 4:
