@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import DecodeError, SourceError
+from ..storage import read_blobs
+from ..storage.file import Spans
 from .array_record_remote import pin
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
@@ -60,7 +62,7 @@ class ParquetSource(FileHandles):
     under a running job is a `SourceError`, never rows mixed from two versions.
     """
 
-    _transient = ("_handles", "_cache", "_cache_lock", "_pool", "_pid")
+    _transient = ("_handles", "_cache", "_cache_lock", "_pool", "_pid", "_spans")
 
     def __init__(self, paths: Paths, columns: Sequence[str] | None = None, *,
                  list_lengths: Mapping[str, int] | None = None, cache_row_groups: int = 4,
@@ -72,6 +74,7 @@ class ParquetSource(FileHandles):
         self._blobs = map_files(pin, self.paths)  # objects: version pinned for every process
         self.list_lengths = dict(list_lengths or {})
         self.cache_row_groups = cache_row_groups
+        self.fetch_ahead = False  # follow_blocks: a read's column chunks fetched in one round
         self.decode_threads = decode_threads if decode_threads is not None else min(4, _cores())
         self.max_open_files = max_open_files
         # Footers only, on a few threads; no file stays open (reads reopen a file from its kept
@@ -158,6 +161,7 @@ class ParquetSource(FileHandles):
         self._cache_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
+        self._spans = [Spans() for _ in self.paths]  # column chunks fetched ahead (block shuffle)
 
     def _decoder_pool(self) -> ThreadPoolExecutor | None:
         if self.decode_threads < 2:
@@ -173,7 +177,8 @@ class ParquetSource(FileHandles):
             raise err
         blob = self._blobs[index]
         return self._open(self.paths[index], self.verify_checksums, self._meta[index]) \
-            if blob is None else open_ranged_parquet(blob, self.verify_checksums, self._meta[index])
+            if blob is None else open_ranged_parquet(blob, self.verify_checksums, self._meta[index],
+                                                     self._spans[index])
 
     def __len__(self) -> int:
         return int(self._group_ends[-1]) if len(self._group_ends) else 0
@@ -189,6 +194,36 @@ class ParquetSource(FileHandles):
         rows (about two windows' worth), so each row group is fetched and decoded once a window."""
         per = int(np.max(self._group_ends - self._group_starts))
         self.cache_row_groups = max(self.cache_row_groups, int(capacity) * (-(-int(block) // per) + 1))
+        self.fetch_ahead = True
+
+    def _fetch_ahead(self, groups: list[int]) -> None:
+        """The column chunks of the uncached row groups among `groups` of objects, fetched in one
+        round (neighbours merged into few requests) before pyarrow asks for them one by one."""
+        with self._cache_lock:
+            todo = [g for g in groups if g not in self._cache]
+        if len(todo) < 2:
+            return
+        wanted: dict[int, list[tuple[int, int]]] = {}
+        for g in todo:
+            file = int(self._group_file[g])
+            if self._blobs[file] is None:
+                continue
+            rg = self._meta[file].row_group(int(self._group_local[g]))
+            for j in range(rg.num_columns):
+                cc = rg.column(j)
+                if cc.path_in_schema.split(".")[0] not in self.columns:
+                    continue
+                start = cc.data_page_offset
+                if cc.has_dictionary_page and cc.dictionary_page_offset is not None and cc.dictionary_page_offset > 0:
+                    start = min(start, cc.dictionary_page_offset)
+                wanted.setdefault(file, []).append((int(start), int(cc.total_compressed_size)))
+        if not wanted:
+            return
+        files = list(wanted)
+        # only touching chunks share a request (a window's bytes: no gaps fetched)
+        got = read_blobs([(self._blobs[f], wanted[f]) for f in files], overfetch=0.0)  # type: ignore[misc]
+        for f, datas in zip(files, got):
+            self._spans[f].add(wanted[f], datas)
 
     def block_stats(self) -> dict[str, int]:
         """Row groups held decoded now, and the most the cache may hold."""
@@ -213,6 +248,8 @@ class ParquetSource(FileHandles):
         if self._pid != os.getpid():  # forked: open our own files, start a fresh cache and pool
             self._reset()
         out: Columns = {}
+        if self.fetch_ahead:
+            self._fetch_ahead(groups)
         for pos, decoded in zip(positions, self._decode_all(groups)):
             # Gather each group's rows as soon as it is decoded and let it go: a window under a
             # global shuffle touches every row group, and holding them all would cost the file.
@@ -220,6 +257,9 @@ class ParquetSource(FileHandles):
                 if name not in out:
                     out[name] = np.empty((len(idx), *values.shape[1:]), dtype=values.dtype)
                 out[name][pos] = values[row[pos]]
+        if self.fetch_ahead:
+            for spans in self._spans:  # the column chunks fetched ahead are decoded and cached
+                spans.clear()
         # Once per read: the rows above come from the files as they were when the source opened.
         check_unchanged(self.paths, self._stamps,
                         np.unique(self._group_file[groups]).tolist(), "ParquetSource")
