@@ -53,12 +53,19 @@ bench: $(STAMP)
 	cd benchmarks && ../$(VENV)/bin/python startup.py && ../$(VENV)/bin/python telemetry.py
 	cd benchmarks && ../$(VENV)/bin/python sft.py
 	cd benchmarks && ../$(VENV)/bin/python storage.py && ../$(VENV)/bin/python storage_outage.py
+	cd benchmarks && ../$(VENV)/bin/python shuffle_ab.py
 
 .PHONY: experiment
 # Elastic training: a tiny LM trained at D = 1, 2, 4, 8 ranks with three loaders (~13 min on 2 cores);
 # writes benchmarks/results/elastic_training.{json,png}
 experiment: $(STAMP)
 	$(PY) benchmarks/elastic_training.py
+
+.PHONY: shuffle-ab
+# Block shuffle vs full shuffle: the elastic-training LM at equal steps, 2 seeds, default and small
+# window (~5 min on 2 cores); writes benchmarks/results/shuffle_ab.{json,png}
+shuffle-ab: $(STAMP)
+	$(PY) benchmarks/shuffle_ab.py
 
 .PHONY: soak
 # Soak: (1) packed LM pipeline for several epochs on processes(2) with worker SIGKILLs and

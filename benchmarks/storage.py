@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from zephon import Loader, Source, storage  # noqa: E402
+from zephon.blockshuffle import block_shuffles  # noqa: E402
 from zephon.sources import (  # noqa: E402
     ArrayRecordSource,
     FixedFields,
@@ -103,14 +104,24 @@ def needed_bytes(kind: str, src, rows: np.ndarray) -> int:
                    for g in groups))
 
 
-def run_case(kind: str, base: str, names: dict[str, str], batch: int, rows_target: int) -> dict:
+def run_case(kind: str, base: str, names: dict[str, str], batch: int, rows_target: int,
+             shuffle: str = "global") -> dict:
+    """One case. `shuffle="block"`: the block shuffle with its defaults (block = the source's
+    natural unit, window = 2 × B blocks, one stripe per lane), `rows_target` rows counted from
+    the first batch on (a whole epoch: a window's blocks are fetched once and used all epoch)."""
     bytes0, req0 = storage.STATS["bytes"], storage.STATS["requests"]
     t0 = time.perf_counter()
     src = make_source(kind, base, names)
-    plan = Source(len(src)).shuffle(7).repeat().lanes(8).batch(batch)
-    steps = 1 + max(1, rows_target // batch)  # the first batch, then whole read-ahead windows
+    stream = Source(len(src))
+    stream = stream.shuffle(7) if shuffle == "global" else stream.block_shuffle(7)
+    plan = stream.repeat().lanes(8).batch(batch)
+    if shuffle == "global":
+        steps = 1 + max(1, rows_target // batch)  # the first batch, then whole read-ahead windows
+    else:
+        steps = max(1, rows_target // batch)
     t1 = time.perf_counter()
     with Loader(plan, src) as loader:
+        plan = loader.plan  # block="auto" resolved
         it = iter(loader)
         next(it)
         ttfb = time.perf_counter() - t0
@@ -119,12 +130,61 @@ def run_case(kind: str, base: str, names: dict[str, str], batch: int, rows_targe
         rate = steps * batch / (time.perf_counter() - t1)
     fetched = storage.STATS["bytes"] - bytes0
     need = 0
+    rows = np.unique(np.concatenate([plan.refs(s).record for s in range(steps)]))
     if fetched:
-        rows = np.array([r["record"] for s in range(steps) for r in plan.explain(s)], dtype=np.int64)
-        need = needed_bytes(kind, src, np.unique(rows))
-    return {"rows_per_s": rate, "ttfb_s": ttfb, "bytes_fetched": fetched, "bytes_needed": need,
-            "fetched_over_needed": fetched / need if fetched else None,
-            "requests": storage.STATS["requests"] - req0, "steps": steps}
+        need = needed_bytes(kind, src, rows)
+    out = {"shuffle": shuffle, "rows_per_s": rate, "ttfb_s": ttfb, "bytes_fetched": fetched,
+           "bytes_needed": need, "fetched_over_needed": fetched / need if fetched else None,
+           "requests": storage.STATS["requests"] - req0, "steps": steps, "rows": steps * batch}
+    out["requests_per_row"] = out["requests"] / out["rows"]
+    if shuffle == "block":
+        node = block_shuffles(plan)[0]
+        out.update(block=node.block, window=node.window, stripes=node.stripes)
+        stats = src.block_stats()
+        if stats is not None:
+            out["window_memory"] = stats if isinstance(stats, dict) else vars(stats)
+    return out
+
+
+def block_ranges(kind: str, src, block: int) -> list[tuple[str, int, int]]:
+    """The byte ranges a block-shuffled epoch needs: every block's chunks (ArrayRecord, one range
+    per block and shard) or every row group's column chunk (Parquet); (url, offset, length)."""
+    out = []
+    if kind == "ar":
+        b = int(block)
+        for k in range(-(-len(src) // b)):
+            lo, hi = k * b, min(len(src), (k + 1) * b) - 1
+            for s in range(int(np.searchsorted(src._ends, lo, side="right")),
+                           int(np.searchsorted(src._ends, hi, side="right")) + 1):
+                r = src._reader(s)
+                a = max(lo, int(src._starts[s])) - int(src._starts[s])
+                z = min(hi, int(src._ends[s]) - 1) - int(src._starts[s])
+                c0 = int(np.searchsorted(r.chunk_first, a, side="right") - 1)
+                c1 = int(np.searchsorted(r.chunk_first, z, side="right") - 1)
+                out.append((src.paths[s], int(r.chunk_begin[c0]), int(r.chunk_end[c1] - r.chunk_begin[c0])))
+        return out
+    f = src._opened(0)
+    col = f.schema_arrow.get_field_index("text")
+    for g in range(f.metadata.num_row_groups):
+        cc = f.metadata.row_group(g).column(col)
+        start = cc.dictionary_page_offset if cc.has_dictionary_page else cc.data_page_offset
+        out.append((src.paths[0], int(start), int(cc.total_compressed_size)))
+    return out
+
+
+def ceiling_for(ranges: list[tuple[str, int, int]], rows: int) -> dict:
+    """The server's own ceiling for these ranges: one process fetching them straight (no loader,
+    no decoding), every object's ranges in flight together; in rows/s of the rows they hold."""
+    by_url: dict[str, list[tuple[int, int]]] = {}
+    for url, off, n in ranges:
+        by_url.setdefault(url, []).append((off, n))
+    blobs = {url: storage.open_blob(url) for url in by_url}
+    req0 = storage.STATS["requests"]
+    t0 = time.perf_counter()
+    storage.read_blobs([(blobs[u], r) for u, r in by_url.items()])
+    wall = time.perf_counter() - t0
+    return {"rows_per_s": rows / wall, "seconds": wall, "requests": storage.STATS["requests"] - req0,
+            "bytes": sum(n for _, _, n in ranges)}
 
 
 def download_first(kind: str, scheme: str, prefix: str, names: dict[str, str], batch: int,
@@ -199,6 +259,79 @@ def request_rate(url: str, server_pid: int, proxy_pid: int | None, n: int = 3000
                                            for k, a, b in zip(("client", "server", "proxy"), c0, c1)}}
 
 
+def block_cases(args, data: Path, names: dict[str, str], proxies: dict, servers: dict) -> list[dict]:
+    """Block shuffle (default block and window), B = 1024, a whole epoch a case: local global
+    shuffle, local block shuffle, s3 and gs at 0 and 20 ms; then the servers' ceiling for the
+    same ranges (one process, no loader, no decoding), straight to each server and through the
+    20 ms proxy. Each case is the best of `args.repeats` runs (the machine is shared)."""
+    out = []
+    batch = 1024
+
+    def best(kind: str, base: str, shuffle: str, rows: int) -> dict:
+        runs = [run_case(kind, base, names, batch, rows, shuffle) for _ in range(args.repeats)]
+        return max(runs, key=lambda r: r["rows_per_s"])
+
+    for kind in [k for k in args.formats.split(",") if k]:
+        epoch = args.records if kind == "ar" else args.docs
+        local_global = best(kind, str(data), "global", epoch)
+        local_block = best(kind, str(data), "block", epoch)
+        local_block["vs_local_global"] = local_block["rows_per_s"] / local_global["rows_per_s"]
+        for name, case in (("local global", local_global), ("local block", local_block)):
+            out.append({"format": kind, "storage": name, "latency_ms": 0, "batch": batch, **case})
+            print(json.dumps(out[-1]), flush=True)
+        for scheme in ("s3", "gs"):
+            env = "AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST"
+            ceilings = {}
+            for via, endpoint in (("direct", servers[scheme].endpoint),
+                                  ("proxy 20 ms", proxies[(scheme, 0.02)].endpoint)):
+                os.environ[env] = endpoint
+                storage.reset()
+                urls = block_ranges(kind, make_source(kind, f"{scheme}://{BUCKET}/d", names), local_block["block"])
+                ceilings[via] = max((ceiling_for(urls, local_block["rows"]) for _ in range(args.repeats)),
+                                    key=lambda c: c["rows_per_s"])
+            for latency in (0.0, 0.02):
+                point(proxies, scheme, latency)
+                case = best(kind, f"{scheme}://{BUCKET}/d", "block", epoch)
+                case["vs_local"] = case["rows_per_s"] / local_block["rows_per_s"]
+                case["ceiling"] = ceilings
+                case["vs_ceiling"] = case["rows_per_s"] / ceilings["direct"]["rows_per_s"]
+                case["ceiling_vs_local"] = ceilings["direct"]["rows_per_s"] / local_block["rows_per_s"]
+                out.append({"format": kind, "storage": scheme, "latency_ms": latency * 1000, "batch": batch, **case})
+                print(json.dumps(out[-1]), flush=True)
+            point(proxies, scheme, 0.0)
+        if kind == "ar":
+            point(proxies, "s3", 0.02)
+            out.append({"format": kind, "storage": "s3", "latency_ms": 20.0, "batch": batch,
+                        **ranks_of_64(kind, f"s3://{BUCKET}/d", names, batch)})
+            print(json.dumps(out[-1]), flush=True)
+            point(proxies, "s3", 0.0)
+    return out
+
+
+def ranks_of_64(kind: str, base: str, names: dict[str, str], batch: int, ranks=(0, 1, 2)) -> dict:
+    """D = 64 simulated: a few ranks of 64 (64 lanes), each with its own source (as its own host
+    would), two epochs each; the requests each sends per row it reads."""
+    per = []
+    for rank in ranks:
+        src = make_source(kind, base, names)
+        plan = Source(len(src)).block_shuffle(7).repeat().lanes(64).batch(batch)
+        steps = 2 * (len(src) // batch)
+        req0 = storage.STATS["requests"]
+        # reads of one epoch of this rank's lane (the default read-ahead, 16384 rows, would read
+        # ten epochs of one lane at once: the rows counted are the rows read)
+        with Loader(plan, src, rank=rank, world=64, read_ahead=len(src) // 64) as loader:
+            for _ in range(steps):
+                next(loader)
+        stats = src.block_stats()
+        rows = steps * batch // 64
+        per.append({"rank": rank, "rows": rows, "requests": storage.STATS["requests"] - req0,
+                    "requests_per_row": (storage.STATS["requests"] - req0) / rows,
+                    "blocks_fetched": stats.fetched, "peak_bytes": stats.peak_bytes,
+                    "capacity_blocks": stats.capacity})
+    return {"shuffle": "block", "simulated": "D=64, ranks " + ",".join(map(str, ranks)), "ranks": per,
+            "requests_per_row": max(p["requests_per_row"] for p in per)}
+
+
 def point(proxies: dict, scheme: str, latency: float) -> None:
     """Points `scheme`'s client at the proxy with `latency` added per request."""
     env = "AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST"
@@ -215,6 +348,8 @@ def main() -> None:
                          "loader, so the rows fetched are the rows used)")
     ap.add_argument("--formats", default="ar,pq")
     ap.add_argument("--ttfb-gib", type=float, default=1.0)
+    ap.add_argument("--block-only", action="store_true", help="only the block-shuffle cases")
+    ap.add_argument("--repeats", type=int, default=2, help="block-shuffle cases: best of this many")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "storage"))
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="zephon-bench-storage-"))
@@ -234,7 +369,7 @@ def main() -> None:
         proxies = {(scheme, lat): ProxyProcess(srv.endpoint, lat, scheme == "gs")
                    for scheme, srv in (("s3", s3), ("gs", gs)) for lat in (0.0, 0.02)}
         ceiling = []
-        for scheme, srv in (("s3", s3), ("gs", gs)):
+        for scheme, srv in (("s3", s3), ("gs", gs)) if not args.block_only else ():
             for via in ("direct", "proxy 0 ms"):
                 proxy = proxies[(scheme, 0.0)] if via != "direct" else None
                 os.environ["AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST"] = \
@@ -245,7 +380,8 @@ def main() -> None:
                 ceiling.append({"storage": scheme, "via": via, **rate})
                 print(json.dumps(ceiling[-1]), flush=True)
         rows = []
-        for kind in [k for k in args.formats.split(",") if k]:
+        blocks = block_cases(args, data, names, proxies, {"s3": s3, "gs": gs})
+        for kind in [k for k in args.formats.split(",") if k and not args.block_only]:
             for batch in (64, 1024):
                 ref = run_case(kind, str(data), names, batch, args.rows)
                 rows.append({"format": kind, "storage": "local", "latency_ms": 0, "batch": batch, **ref})
@@ -264,7 +400,7 @@ def main() -> None:
                                  "batch": batch, **base})
                     print(json.dumps(rows[-1]), flush=True)
         ttfb = []
-        if args.ttfb_gib > 0:
+        if args.ttfb_gib > 0 and not args.block_only:
             big = work / "big"
             big.mkdir()
             per_record = sum(f.stat().st_size for f in data.glob("ar-*")) / args.records
@@ -286,7 +422,7 @@ def main() -> None:
             p.close()
         result = {"load_avg_1m_before": load, "load_avg_1m_after": os.getloadavg()[0],
                   "policy": storage.policy().__dict__, "upload_s": uploads,
-                  "request_ceiling": ceiling, "rows": rows, "ttfb_1gib": ttfb,
+                  "request_ceiling": ceiling, "rows": rows, "block_shuffle": blocks, "ttfb_1gib": ttfb,
                   "command": "flock /tmp/zephon-bench.lock .venv/bin/python benchmarks/storage.py"}
         Path(args.out + ".json").write_text(json.dumps(result, indent=1))
         plot(result, args.out + ".png")
@@ -302,8 +438,21 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, kind, title in zip(axes, ("ar", "pq"), ("ArrayRecord 256 x int32", "Parquet text")):
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
+    blocks = [r for r in result.get("block_shuffle", []) if "rows_per_s" in r]
+    ax = axes[2]
+    labels = [f"{r['format']} {r['storage']}\n{int(r['latency_ms'])} ms" for r in blocks]
+    ax.bar(range(len(blocks)), [r["rows_per_s"] for r in blocks],
+           color=["grey" if r["storage"].startswith("local") else "tab:green" for r in blocks])
+    for i, r in enumerate(blocks):
+        if "vs_local" in r:
+            ax.text(i, r["rows_per_s"], f"{100 * r['vs_local']:.0f}%", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(blocks)), labels, rotation=90, fontsize=6)
+    ax.set_ylabel("rows/s (whole epoch, B = 1024)")
+    ax.set_yscale("log")
+    ax.set_title("block shuffle (default block, window = 2B blocks)")
+    for ax, kind, title in zip(axes, ("ar", "pq"), ("ArrayRecord 256 x int32 (global shuffle)",
+                                                   "Parquet text (global shuffle)")):
         rows = [r for r in result["rows"] if r["format"] == kind]
         labels = [f"{r['storage']}\n{int(r['latency_ms'])} ms B={r['batch']}" for r in rows]
         ax.bar(range(len(rows)), [r["rows_per_s"] for r in rows],

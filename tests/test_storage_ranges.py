@@ -125,3 +125,28 @@ def test_ranged_reader_decodes_every_writer_layout(tmp_path, options):
     logical[32] ^= 1  # the decoded size in the chunk header no longer matches the records
     with pytest.raises(ValueError, match="chunk header says"):
         chunk_values(bytes(logical))
+
+
+@pytest.mark.parametrize("options", ["group_size:1", "group_size:7", "group_size:1,uncompressed",
+                                     "group_size:5,snappy"])
+def test_whole_runs_of_chunks_decode_as_the_records(tmp_path, options):
+    """The block shuffle's read: a run of consecutive chunks fetched as one range and decoded
+    together (numpy-parsed headers for one-record chunks, chunk by chunk otherwise)."""
+    from zephon.sources.array_record_remote import read_runs
+
+    rng = np.random.default_rng(3)
+    records = [rng.integers(0, 50_000, int(rng.integers(0, 400)), dtype=np.int32).tobytes()
+               for _ in range(3000)]
+    path = tmp_path / "r.array_record"
+    write_array_record(path, records, options)
+    reader = RangedArrayRecord(open_blob(str(path)))
+    spans = [(0, 1), (0, 3000), (17, 940), (2999, 3000), (1500, 1501)]
+    got = read_runs([reader] * len(spans), spans)
+    assert got == [records[a:b] for a, b in spans]
+    # tiny chunks (1 KiB records that compress to a few bytes): some begin exactly at a 64 KiB
+    # block boundary, their bytes after its header
+    same = [np.full(256, i, np.int32).tobytes() for i in range(20_000)]
+    write_array_record(tmp_path / "s.array_record", same, options)
+    reader = RangedArrayRecord(open_blob(str(tmp_path / "s.array_record")))
+    spans = [(i * 350, min(20_000, (i + 1) * 350)) for i in range(58)]
+    assert read_runs([reader] * len(spans), spans) == [same[a:b] for a, b in spans]

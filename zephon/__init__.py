@@ -16,11 +16,11 @@ from zephon.exec.state import LaneState
 from zephon.ops.base import Accumulator, Operator, Step, Transform
 from zephon.ops.filter import Filter, FlatMap
 from zephon.ops.map import Map, RandomMap
-from zephon.plan import Batch, Lanes, Mix, Node, Plan, Refs, Repeat, Shuffle, Skip, Slice, Source, Take
+from zephon.plan import Batch, BlockShuffle, Lanes, Mix, Node, Plan, Refs, Repeat, Shuffle, Skip, Slice, Source, Take
 from zephon.telemetry import Stats, Telemetry
 
 __all__ = [
-    "Accumulator", "Batch", "DecodeError", "Filter", "FlatMap", "LaneState", "Lanes", "Loader",
+    "Accumulator", "Batch", "BlockShuffle", "DecodeError", "Filter", "FlatMap", "LaneState", "Lanes", "Loader",
     "LocalBatch", "Map", "Mix", "Node", "Operator", "Plan", "PlanError", "RandomMap", "Refs",
     "Repeat", "Shuffle", "Skip", "Slice", "Source", "SourceError", "StateError", "Stats", "Step", "Take",
     "Telemetry", "Transform", "WorkerError", "ZephonError", "load_state", "merge_states", "resign_state",

@@ -240,6 +240,12 @@ class Batch(Node, kind="Batch"):
                             f"{entries}; build it with .batch(schedule=((0, B0), (k1, B1), ...)).")
         object.__setattr__(self, "schedule", tuple(entries))
         BatchSizes(self.child.count, self.size, self.schedule)  # checks the sizes
+        from zephon.blockshuffle import resolve_window  # (it imports zephon.plan, which imports us)
+
+        biggest = max([self.size, *(s for _, s in self.schedule)])
+        lanes = resolve_window(self.child, self.child.count, biggest)  # block shuffles' "auto"
+        if lanes is not self.child:
+            object.__setattr__(self, "child", lanes)
 
     def to_json(self) -> dict[str, Any]:
         out = super().to_json()

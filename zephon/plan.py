@@ -32,8 +32,8 @@ from zephon.errors import PlanError
 from zephon.jsondoc import json_object
 from zephon.permute import permute
 
-__all__ = ["MAX_POSITION", "Batch", "Lanes", "Mapping", "Mix", "Node", "PassThrough", "Plan", "Refs", "Repeat",
-           "Shuffle", "Skip", "Slice", "Source", "Take", "check_degree", "plan_diff"]
+__all__ = ["MAX_POSITION", "Batch", "BlockShuffle", "Lanes", "Mapping", "Mix", "Node", "PassThrough", "Plan",
+           "Refs", "Repeat", "Shuffle", "Skip", "Slice", "Source", "Take", "check_degree", "plan_diff"]
 
 Mapping = Literal["contiguous", "interleaved"]
 _FOREVER_EPOCH_STRIDE = 1 << 32  # epochs of an outer pass around a forever-repeat never collide
@@ -143,6 +143,15 @@ class Node:
     # --- fluent builder ----------------------------------------------------------------------
     def shuffle(self, seed: int) -> Shuffle:
         return Shuffle(self, seed)
+
+    def block_shuffle(self, seed: int, block: int | Literal["auto"] = "auto",
+                      window: int | Literal["auto"] = "auto",
+                      stripes: int | Literal["auto"] = "auto") -> BlockShuffle:
+        """Permute blocks of `block` consecutive records, then the records within windows of
+        `window` blocks (`zephon.blockshuffle`): the shuffle for data in object storage."""
+        from zephon.blockshuffle import BlockShuffle  # imported here: it builds on this module
+
+        return BlockShuffle(self, seed, block, window, stripes)
 
     def repeat(self, count: int | None = None) -> Repeat:
         return Repeat(self, count)
@@ -376,6 +385,7 @@ def Skip(child: Node, n: int) -> Slice:
 # The routing of a mix and the lanes/batch root live in their own modules; this one stays the
 # algebra's front door, so `from zephon.plan import Mix, Lanes, Batch` keeps working.
 from zephon.batching import Batch, Lanes, check_degree  # noqa: E402
+from zephon.blockshuffle import BlockShuffle  # noqa: E402
 from zephon.mixing import Mix  # noqa: E402
 
 Plan = Batch

@@ -4,6 +4,7 @@ row of a global batch, from a plan's JSON alone or by running a pipeline factory
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ examples:
   zephon explain examples/verify_pipeline.py:packed --step 5 --rows 0:2
   zephon explain my_project.data:pipeline --step 100 --world 8 --rank 3
   zephon explain my_project.data:pipeline --step 100000 --from-state ckpt/loader.json
+  zephon explain plan.json --quality --rho 0.1      # how well the plan shuffles (zephon.quality)
 """
 
 
@@ -52,8 +54,19 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     if args.step < 0:
         raise UsageError(f"--step {args.step}: steps count global batches from 0")
+    if args.quality:
+        from zephon.quality import shuffle_quality
+
+        plan = load_plan(args.target) if _is_plan_target(args.target) else Builder(args.target)(1, 0).loader().plan
+        q = shuffle_quality(plan, block=args.block, rho=args.rho)
+        print(json.dumps(q.to_json(), indent=1) if args.json else q.text())
+        return 0
     if _is_plan_target(args.target):
         plan = load_plan(args.target)
+        from zephon.blockshuffle import block_shuffles
+
+        for node in block_shuffles(plan):  # the order's own numbers (block, window, stripes)
+            print(node.explain_text())
         plan_rows = plan.explain(args.step)
         sel = _row_range(args.rows, len(plan_rows))
         print(f"{'row':>5} {'lane':>5} {'source':>6} {'record':>14} {'epoch':>6}")
@@ -117,4 +130,12 @@ def register(sub: Any) -> None:
     e.add_argument("--from-state", default=None, metavar="FILE",
                    help="a loader state saved at or before STEP (save_state; merged over ranks or this "
                         "rank's): a pipeline that filters or packs runs from there, not from step 0")
+    e.add_argument("--quality", action="store_true",
+                   help="print the shuffle-quality report instead: P(two rows of a batch share a block), "
+                        "effective batch size, displacement / inversions against a full shuffle")
+    e.add_argument("--block", type=int, default=None,
+                   help="records per block for --quality (default: the plan's block shuffle's)")
+    e.add_argument("--rho", type=float, default=0.1,
+                   help="intra-block correlation for the effective batch size of --quality (default 0.1)")
+    e.add_argument("--json", action="store_true", help="with --quality: the report as JSON")
     e.set_defaults(fn=cmd_explain)

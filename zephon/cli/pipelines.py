@@ -1,6 +1,6 @@
 """The demo pipelines `zephon verify` checks by default, importable by name (also in the other
 processes of a multi-process run) as `zephon.cli:demo_shuffle`, `:demo_filter`, `:demo_lm`,
-`:demo_eval` (a finite, padded one)."""
+`:demo_eval` (a finite, padded one), `:demo_block_shuffle`."""
 
 from __future__ import annotations
 
@@ -100,5 +100,17 @@ def demo_eval() -> Any:
     return Pipeline(plan, srcs, [Tokenize(str(d / "tokenizer.json"), eos=EOS_ID), Pack(256, "first_fit")])
 
 
+def demo_block_shuffle() -> Any:
+    """The demo data under a block shuffle (blocks of 16 records, windows of 2 × 64 blocks,
+    one stripe per lane) through the 3-of-4 filter: the object-storage order, lanes advancing
+    by the data."""
+    from zephon.testing import Pipeline
+
+    src = ArrayRecordSource(f"{_demo_dir() / 'demo.array_record'}@4", SPEC)
+    keep = Filter(_keep_3_of_4, batched=True, name="demo.keep_3_of_4")
+    plan = Source(len(src), name="demo").block_shuffle(9, block=16).repeat().lanes(8).batch(64)
+    return Pipeline(plan, src, [keep])
+
+
 DEMO_PIPELINES = ("zephon.cli:demo_shuffle", "zephon.cli:demo_filter", "zephon.cli:demo_lm",
-                  "zephon.cli:demo_eval")
+                  "zephon.cli:demo_eval", "zephon.cli:demo_block_shuffle")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zephon.accounting import domain_fields
+from zephon.blockshuffle import follow_blocks, resolve_blocks
 from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.batch import LocalBatch, check_micro_count
@@ -82,8 +83,9 @@ class Loader(FiniteEnd, Resumable):
                  end: int | None = None) -> None:
         if not isinstance(plan, Batch):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
-        self.plan = plan
         self.sources = as_source_map(sources)
+        plan = resolve_blocks(plan, self.sources)  # block_shuffle(block="auto"): the sources' unit
+        self.plan = plan
         for s in leaf_sources(plan):
             if s.id not in self.sources:
                 raise PlanError(f"the plan reads Source id {s.id} ({s.name or 'unnamed'}) but no record "
@@ -123,6 +125,7 @@ class Loader(FiniteEnd, Resumable):
                 raise PlanError(f"lanes={list(lanes)} must be a non-empty, increasing subset of the "
                                 f"lanes rank {self.rank} of {self.world} owns ({self.owned.tolist()}).")
             self.owned = sub
+        follow_blocks(plan, self.sources, len(self.owned))  # block shuffles: sources read blocks whole
         self.all_gather = all_gather
         self.epoch = int(epoch)
         self._ends: dict[int, int | None] = {} if end is None else {self.epoch: int(end)}

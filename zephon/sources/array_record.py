@@ -19,8 +19,9 @@ import numpy as np
 
 from ..errors import SourceError
 from ..storage import Blob
-from .array_record_remote import pin, ranged_reader, read_records
+from .array_record_remote import pin, ranged_reader, read_records, read_runs
 from .base import Columns, as_indices
+from .blocks import BlockCache, BlockStats, natural_block
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import FileHandles
 from .parallel import map_files
@@ -139,7 +140,7 @@ class ArrayRecordSource(FileHandles):
     it, so a changed file is a `SourceError` naming it, never silently wrong records.
     """
 
-    _transient = ("_readers", "_lock", "_pid")
+    _transient = ("_readers", "_lock", "_pid", "_blocks")
 
     def __init__(self, paths: Paths, spec: RecordSpec | None = None,
                  reader_options: str = RANDOM_ACCESS_OPTIONS) -> None:
@@ -164,6 +165,30 @@ class ArrayRecordSource(FileHandles):
         self._readers: list[Any] = [None] * len(self.paths)
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        follow = getattr(self, "_follow", None)
+        self._blocks = None if follow is None else BlockCache(*follow)
+
+    def natural_block(self) -> int:
+        """Records of one ranged GET under a block shuffle: a run of whole chunks of about
+        `BLOCK_TARGET_BYTES` on disk (one record a chunk in the files Zephon writes)."""
+        sizes = [b.size if b is not None else os.path.getsize(p) for p, b in zip(self.paths, self._blobs)]
+        unit = 1
+        for blob in self._blobs[:1]:
+            if blob is not None:
+                unit = max(1, int(np.median(np.diff(ranged_reader(blob).chunk_first))))
+        return natural_block(sum(sizes), len(self), unit)
+
+    def follow_blocks(self, block: int, capacity: int) -> None:
+        """Reads of objects fetch blocks of `block` records whole and keep up to `capacity` of
+        them (`zephon.sources.blocks`); local files are read as before (no round trips)."""
+        if all(b is None for b in self._blobs):
+            return
+        self._follow = (int(block), int(capacity))
+        self._blocks = BlockCache(*self._follow)
+
+    def block_stats(self) -> BlockStats | None:
+        """What the block cache did in this process (None when not following blocks)."""
+        return None if self._blocks is None else self._blocks.stats()
 
     def __len__(self) -> int:
         return int(self._ends[-1])
@@ -199,7 +224,15 @@ class ArrayRecordSource(FileHandles):
         groups = [(int(shard[p[0]]), p) for p in np.split(order, cuts)] if idx.size else []
         touched = [s for s, _ in groups]
         ranged = [(s, p) for s, p in groups if self._blobs[s] is not None]
-        got = self._read_ranged(ranged, local) if ranged else {}
+        blocks = self._blocks if self._pid == os.getpid() else None
+        if blocks is not None and len(ranged) == len(groups) and idx.size:
+            try:
+                records = blocks.gather(idx, self._fetch_blocks)
+                groups = []
+            except RuntimeError as e:  # a damaged chunk: read record by record below, which names it
+                log.warning("%s: a whole-block read failed (%s); reading these records one chunk "
+                            "at a time", self._what, e)
+        got = self._read_ranged(ranged, local) if ranged and groups else {}
         for s, positions in groups:
             recs = got[s] if s in got else self._read_shard(s, local[positions], idx[positions])
             records[positions] = np.fromiter(recs, dtype=object, count=len(positions))
@@ -211,6 +244,28 @@ class ArrayRecordSource(FileHandles):
                     f"of shard {int(shard[i])})")
 
         return self.spec.decode(records, locate)
+
+    def _fetch_blocks(self, blocks: list[int]) -> list[tuple[np.ndarray, int]]:
+        """The records of whole blocks (every shard's chunks requested together)."""
+        b, n = self._blocks.block, len(self)  # type: ignore[union-attr]
+        pieces: list[tuple[int, int, int, int]] = []  # (block, shard, first, end) in shard records
+        for k in blocks:
+            lo, hi = k * b, min(n, (k + 1) * b)
+            for s in range(int(np.searchsorted(self._ends, lo, side="right")),
+                           int(np.searchsorted(self._ends, hi - 1, side="right")) + 1):
+                start = int(self._starts[s])
+                pieces.append((k, s, max(lo, start) - start, min(hi, int(self._ends[s])) - start))
+        got = read_runs([self._reader(s) for _, s, _, _ in pieces], [(a, e) for _, _, a, e in pieces])
+        parts: dict[int, list[bytes]] = {}
+        for (k, _, _, _), recs in zip(pieces, got):
+            parts.setdefault(k, []).extend(recs)
+        out = []
+        for k in blocks:
+            recs = parts[k]
+            arr = np.empty(len(recs), dtype=object)
+            arr[:] = recs
+            out.append((arr, sum(map(len, recs))))
+        return out
 
     def _read_ranged(self, groups: list[tuple[int, np.ndarray]], local: np.ndarray) -> dict[int, list[bytes]]:
         """Records of objects in a bucket: every shard's chunks requested together. On a damaged

@@ -20,6 +20,7 @@ in all but unlucky cases.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -322,6 +323,146 @@ class RangedArrayRecord:
                 raise RuntimeError(f"chunk at byte {begin} is damaged: {e}") from e
         local = (idx - self.chunk_first[chunk]).tolist()
         return [decoded[c][r] for c, r in zip(chunk.tolist(), local)]
+
+
+def decode_run(data: bytes, start: int, begins: np.ndarray) -> list[bytes]:
+    """The records of a run of consecutive chunks fetched as one range: `data` is the physical
+    bytes from file position `start` (the first chunk's) to the end of the last, `begins` the
+    chunks' positions. One-record zstd (or uncompressed) chunks — what Zephon writes — take a
+    fast path: every header parsed at once with numpy, then one decompress call per record;
+    anything else is decoded chunk by chunk."""
+    logical = strip_block_headers(data, start)
+    rel = begins - start
+    # Block headers removed before each chunk: those at boundaries in [start, begin) — a chunk
+    # may begin right at a boundary, its bytes after that boundary's header.
+    off = rel - BLOCK_HEADER * ((begins + BLOCK - 1) // BLOCK - (start + BLOCK - 1) // BLOCK)
+    ends = np.append(off[1:], len(logical))
+    b = np.frombuffer(logical, dtype=np.uint8)
+    if len(b) < int(off[-1]) + CHUNK_HEADER + 4:
+        raise ValueError("a run of chunks is truncated")
+
+    def u64(at: np.ndarray, nbytes: int = 8) -> np.ndarray:
+        v = np.zeros(len(at), np.int64)
+        for k in range(nbytes):
+            v |= b[at + k].astype(np.int64) << (8 * k)
+        return v
+
+    data_size, ctype_chunk = u64(off + 8), b[off + 24]
+    records, decoded_size = u64(off + 25, 7), u64(off + 32)
+    d = off + CHUNK_HEADER
+    simple = (np.all(ctype_chunk == ord("r")) and np.all(records == 1)
+              and np.all(d + data_size == ends) and np.all(b[d + 1] < 0x80))
+    codec = int(b[d[0]]) if simple else -1
+    if simple and codec in (0, ord("z")) and np.all(b[d] == codec):
+        vstart = d + 2 + b[d + 1].astype(np.int64)  # past the codec byte, the sizes' length, the sizes
+        if codec == 0:
+            return [logical[x:y] for x, y in zip(vstart.tolist(), (d + data_size).tolist())]
+        sizes, vstart = _small_varints(b, vstart)
+        zstd = _zstd()
+        if zstd is not None and np.all(sizes == decoded_size):
+            many = _decompress_many(zstd, logical, vstart, d + data_size, sizes)
+            if many is not None:
+                return many
+            view = memoryview(logical)
+            out = []
+            for x, y, n in zip(vstart.tolist(), (d + data_size).tolist(), sizes.tolist()):
+                rec = zstd.decompress(view[x:y], max_output_size=n)
+                if len(rec) != n:
+                    raise ValueError(f"decompressed to {len(rec)} bytes, expected {n}")
+                out.append(rec)
+            return out
+    return [r for x, y in zip(off.tolist(), ends.tolist()) for r in decode_chunk(logical[x:y])]
+
+
+def _decompress_many(zstd: Any, buf: bytes, starts: np.ndarray, ends: np.ndarray,
+                     sizes: np.ndarray) -> list[bytes] | None:
+    """Every zstd frame `buf[starts[i]:ends[i]]` decompressed in one call of the C extension,
+    on a few threads (no Python per record but the result's bytes); None where that call is
+    unavailable (zstandard's cffi backend) or refuses the input."""
+    import zstandard
+
+    if not hasattr(zstd, "multi_decompress_to_buffer") or len(starts) < 64:
+        return None
+    try:
+        segments = np.stack([starts, ends - starts], axis=1).astype(np.uint64)
+        frames = zstandard.BufferWithSegments(buf, segments.tobytes())
+        got = zstd.multi_decompress_to_buffer(frames, decompressed_sizes=sizes.astype(np.uint64).tobytes(),
+                                              threads=min(4, os.cpu_count() or 1))
+    except (zstandard.ZstdError, ValueError, TypeError):
+        return None
+    out = [got[i].tobytes() for i in range(len(got))]
+    if any(len(o) != n for o, n in zip(out, sizes.tolist())):
+        raise ValueError("a record decompressed to another size than its chunk says")
+    return out
+
+
+def _small_varints(b: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values, positions after them) of varints of up to 4 bytes starting at `at` (vectorised)."""
+    vals = np.zeros(len(at), np.int64)
+    pos = at.copy()
+    live = np.ones(len(at), bool)
+    for k in range(4):
+        byte = b[pos[live]].astype(np.int64)
+        vals[live] |= (byte & 0x7F) << (7 * k)
+        pos[live] += 1
+        idx = np.flatnonzero(live)
+        live[idx[byte < 0x80]] = False
+        if not live.any():
+            return vals, pos
+    raise ValueError("a record size varint longer than 4 bytes")
+
+
+#: spans fetched per request round of `read_runs`: the rounds overlap (in threads) with the
+#: decoding of the rounds before them, so a read of many blocks decodes while it downloads
+RUN_GROUP = 8
+_run_pool: Any = None
+_run_pool_lock = threading.Lock()
+
+
+def _fetch_pool() -> Any:
+    global _run_pool
+    with _run_pool_lock:
+        if _run_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _run_pool = ThreadPoolExecutor(8, thread_name_prefix="zephon-runs")
+        return _run_pool
+
+
+def read_runs(readers: list[RangedArrayRecord], spans: list[tuple[int, int]]) -> list[list[bytes]]:
+    """The records `lo..hi-1` of `readers[k]` for each `spans[k]` (records of whole chunks are
+    fetched as one range per span and decoded together): the block shuffle's whole-block read.
+    Spans go out in rounds of `RUN_GROUP`, all rounds at once; each is decoded as it arrives."""
+    plans = []
+    for r, (lo, hi) in zip(readers, spans):
+        c0 = int(np.searchsorted(r.chunk_first, lo, side="right") - 1)
+        c1 = int(np.searchsorted(r.chunk_first, hi - 1, side="right") - 1)
+        plans.append((c0, c1, int(r.chunk_begin[c0]), int(r.chunk_end[c1])))
+    items = [(r.blob, [(a, e - a)]) for r, (_, _, a, e) in zip(readers, plans)]
+    groups = [items[i:i + RUN_GROUP] for i in range(0, len(items), RUN_GROUP)]
+    if len(groups) > 1:
+        pool = _fetch_pool()
+        futures = [pool.submit(read_blobs, g) for g in groups]
+        rounds = (f.result() for f in futures)
+    else:
+        rounds = (read_blobs(g) for g in groups)
+    out: list[list[bytes]] = []
+    try:
+        for raws in rounds:
+            for (raw,) in raws:
+                k = len(out)
+                r, (lo, hi), (c0, c1, a, _) = readers[k], spans[k], plans[k]
+                try:
+                    recs = decode_run(raw, a, r.chunk_begin[c0:c1 + 1])
+                except ValueError as e:
+                    raise RuntimeError(f"chunks at bytes {a}.. are damaged: {e}") from e
+                first = int(r.chunk_first[c0])
+                out.append(recs[lo - first:hi - first])
+    finally:
+        if len(groups) > 1:
+            for f in futures:
+                f.cancel()
+    return out
 
 
 def read_records(readers: list[RangedArrayRecord], indices: list[np.ndarray]) -> list[list[bytes]]:

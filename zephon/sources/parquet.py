@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import DecodeError, SourceError
+from ..storage import read_blobs
+from ..storage.file import Spans
 from .array_record_remote import pin
 from .base import Columns, as_indices
 from .files import FileStamp, changed, check_unchanged, stamp
@@ -34,6 +36,8 @@ from .paths import Paths, expand_paths
 
 log = logging.getLogger(__name__)
 REMOTE_READERS, REMOTE_AHEAD_BYTES = 16, 256 << 20  # objects: row-group reads in flight, their bytes
+#: a block-shuffled read's column chunks fetched ahead: gap bytes allowed, as a share of the asked
+FETCH_AHEAD_OVERFETCH = 0.1
 
 
 class ParquetSource(FileHandles):
@@ -60,7 +64,7 @@ class ParquetSource(FileHandles):
     under a running job is a `SourceError`, never rows mixed from two versions.
     """
 
-    _transient = ("_handles", "_cache", "_cache_lock", "_pool", "_pid")
+    _transient = ("_handles", "_cache", "_cache_lock", "_pool", "_pid", "_spans")
 
     def __init__(self, paths: Paths, columns: Sequence[str] | None = None, *,
                  list_lengths: Mapping[str, int] | None = None, cache_row_groups: int = 4,
@@ -72,6 +76,7 @@ class ParquetSource(FileHandles):
         self._blobs = map_files(pin, self.paths)  # objects: version pinned for every process
         self.list_lengths = dict(list_lengths or {})
         self.cache_row_groups = cache_row_groups
+        self.fetch_ahead = False  # follow_blocks: a read's column chunks fetched in one round
         self.decode_threads = decode_threads if decode_threads is not None else min(4, _cores())
         self.max_open_files = max_open_files
         # Footers only, on a few threads; no file stays open (reads reopen a file from its kept
@@ -158,6 +163,7 @@ class ParquetSource(FileHandles):
         self._cache_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
+        self._spans = [Spans() for _ in self.paths]  # column chunks fetched ahead (block shuffle)
 
     def _decoder_pool(self) -> ThreadPoolExecutor | None:
         if self.decode_threads < 2:
@@ -173,10 +179,62 @@ class ParquetSource(FileHandles):
             raise err
         blob = self._blobs[index]
         return self._open(self.paths[index], self.verify_checksums, self._meta[index]) \
-            if blob is None else open_ranged_parquet(blob, self.verify_checksums, self._meta[index])
+            if blob is None else open_ranged_parquet(blob, self.verify_checksums, self._meta[index],
+                                                     self._spans[index])
 
     def __len__(self) -> int:
         return int(self._group_ends[-1]) if len(self._group_ends) else 0
+
+    def natural_block(self) -> int:
+        """The rows of a row group (the largest, when they differ): a block shuffle's unit,
+        read as one ranged GET per column chunk. Blocks align with row groups when every row
+        group but each file's last has this many rows (as `write_parquet` and most writers do)."""
+        return int(np.max(self._group_ends - self._group_starts))
+
+    def follow_blocks(self, block: int, capacity: int) -> None:
+        """Under a block shuffle: keep the decoded row groups of `capacity` blocks of `block`
+        rows (about two windows' worth), so each row group is fetched and decoded once a window."""
+        per = int(np.max(self._group_ends - self._group_starts))
+        self.cache_row_groups = max(self.cache_row_groups, int(capacity) * (-(-int(block) // per) + 1))
+        self.fetch_ahead = True
+
+    def _fetch_ahead(self, groups: list[int]) -> None:
+        """The column chunks of the uncached row groups among `groups` of objects, fetched in one
+        round (neighbours merged into few requests) before pyarrow asks for them one by one."""
+        with self._cache_lock:
+            todo = [g for g in groups if g not in self._cache]
+        if len(todo) < 2:
+            return
+        wanted: dict[int, list[tuple[int, int]]] = {}
+        for g in todo:
+            file = int(self._group_file[g])
+            if self._blobs[file] is None:
+                continue
+            rg = self._meta[file].row_group(int(self._group_local[g]))
+            for j in range(rg.num_columns):
+                cc = rg.column(j)
+                if cc.path_in_schema.split(".")[0] not in self.columns:
+                    continue
+                start = cc.data_page_offset
+                if cc.has_dictionary_page and cc.dictionary_page_offset is not None and cc.dictionary_page_offset > 0:
+                    start = min(start, cc.dictionary_page_offset)
+                wanted.setdefault(file, []).append((int(start), int(cc.total_compressed_size)))
+        if not wanted:
+            return
+        files = list(wanted)
+        # neighbouring chunks share a request across the other columns' chunks between them while
+        # those gaps stay within 10 % of the bytes asked (fetched <= 1.1x needed, few requests)
+        items = [(self._blobs[f], wanted[f]) for f in files]
+        got = read_blobs(items, overfetch=FETCH_AHEAD_OVERFETCH)  # type: ignore[arg-type]
+        for f, datas in zip(files, got):
+            self._spans[f].add(wanted[f], datas)
+
+    def block_stats(self) -> dict[str, int]:
+        """Row groups held decoded now, and the most the cache may hold."""
+        with self._cache_lock:
+            held = list(self._cache.values())
+        return {"capacity_groups": self.cache_row_groups, "held_groups": len(held),
+                "held_bytes": sum(int(sum(_nbytes(v) for v in cols.values())) for cols in held)}
 
     def __repr__(self) -> str:
         return f"ParquetSource({self._head()}, columns={self.columns})"
@@ -194,6 +252,8 @@ class ParquetSource(FileHandles):
         if self._pid != os.getpid():  # forked: open our own files, start a fresh cache and pool
             self._reset()
         out: Columns = {}
+        if self.fetch_ahead:
+            self._fetch_ahead(groups)
         for pos, decoded in zip(positions, self._decode_all(groups)):
             # Gather each group's rows as soon as it is decoded and let it go: a window under a
             # global shuffle touches every row group, and holding them all would cost the file.
@@ -201,6 +261,9 @@ class ParquetSource(FileHandles):
                 if name not in out:
                     out[name] = np.empty((len(idx), *values.shape[1:]), dtype=values.dtype)
                 out[name][pos] = values[row[pos]]
+        if self.fetch_ahead:
+            for spans in self._spans:  # the column chunks fetched ahead are decoded and cached
+                spans.clear()
         # Once per read: the rows above come from the files as they were when the source opened.
         check_unchanged(self.paths, self._stamps,
                         np.unique(self._group_file[groups]).tolist(), "ParquetSource")
@@ -277,6 +340,12 @@ class ParquetSource(FileHandles):
                                   "Rewrite it (write_parquet adds page checksums), or leave the "
                                   "column out with `columns=`.") from e
         return out
+
+def _nbytes(values: np.ndarray) -> int:
+    if values.dtype == object:  # strings / bytes / ragged lists: their payloads, roughly
+        return int(values.nbytes) + sum(len(v) if hasattr(v, "__len__") else 8 for v in values)
+    return int(values.nbytes)
+
 
 def _same_schema(a: Any, b: Any) -> bool:
     """Whether two footers give the same Arrow schema: the same Parquet schema and the same

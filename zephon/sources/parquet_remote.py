@@ -11,15 +11,15 @@ from typing import Any
 
 from ..errors import SourceError
 from ..storage import Blob
-from ..storage.file import BlobFile
+from ..storage.file import BlobFile, Spans
 
 
-def open_ranged_parquet(blob: Blob, verify: bool, metadata: Any = None) -> Any:
+def open_ranged_parquet(blob: Blob, verify: bool, metadata: Any = None, spans: Spans | None = None) -> Any:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(BlobFile(blob), metadata=metadata, page_checksum_verification=verify)
+        return pq.ParquetFile(BlobFile(blob, spans), metadata=metadata, page_checksum_verification=verify)
     except (pa.ArrowException, ValueError) as e:
         raise SourceError(f"Parquet object {blob.url!r} cannot be opened: {e}. It is truncated, "
                           "corrupt or not Parquet; rewrite it before reading.") from e

@@ -96,10 +96,12 @@ def _read_local(blob: Blob, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
     return out
 
 
-def read_blobs(items: Sequence[tuple[Blob, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
+def read_blobs(items: Sequence[tuple[Blob, Sequence[tuple[int, int]]]],
+               overfetch: float | None = None) -> list[list[bytes]]:
     """`blob.read_ranges(ranges)` for every (blob, ranges), all objects' requests in flight
     together (a read that touches several shards waits for one round of requests, not one per
-    shard). Local files are read in place."""
+    shard). Local files are read in place. `overfetch` overrides the policy's for this call
+    (0: only touching ranges share a request)."""
     out: list[list[bytes] | None] = [None] * len(items)
     remote = []
     for i, (blob, ranges) in enumerate(items):
@@ -111,19 +113,20 @@ def read_blobs(items: Sequence[tuple[Blob, Sequence[tuple[int, int]]]]) -> list[
             out[i] = blob.read_ranges(ranges)
     if remote:
         pol = policy()
-        got = (_read_cached_many if pol.cache_bytes > 0 else _fetch_many)([items[i] for i in remote])
+        got = (_read_cached_many if pol.cache_bytes > 0 else _fetch_many)([items[i] for i in remote], overfetch)
         for i, data in zip(remote, got):
             out[i] = data
     return [o if o is not None else [] for o in out]
 
 
-def _read_cached_many(items: Sequence[tuple[Blob, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
+def _read_cached_many(items: Sequence[tuple[Blob, Sequence[tuple[int, int]]]],
+                      overfetch: float | None = None) -> list[list[bytes]]:
     """Ranges from the local cache; the misses fetched together, then cached (cache.py)."""
     budget = policy().cache_bytes
     hits = [cache.lookup(blob.url, blob.version, ranges) for blob, ranges in items]
     missing = [[i for i, h in enumerate(found) if h is None] for found in hits]
     want = [[ranges[i] for i in miss] for (_, ranges), miss in zip(items, missing)]
-    got = _fetch_many([(blob, w) for (blob, _), w in zip(items, want)])
+    got = _fetch_many([(blob, w) for (blob, _), w in zip(items, want)], overfetch)
     out = []
     for (blob, _), found, miss, w, data in zip(items, hits, missing, want, got):
         if miss:
@@ -134,12 +137,14 @@ def _read_cached_many(items: Sequence[tuple[Blob, Sequence[tuple[int, int]]]]) -
     return out
 
 
-def _fetch_many(items: Sequence[tuple[Blob, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
+def _fetch_many(items: Sequence[tuple[Blob, Sequence[tuple[int, int]]]],
+                overfetch: float | None = None) -> list[list[bytes]]:
     pol = policy()
     plans = []
     for _, ranges in items:
         wanted = [(o, n) for o, n in ranges if n > 0]
-        plans.append(plan_requests(wanted, pol.merge_gap, pol.max_request, pol.overfetch))
+        plans.append(plan_requests(wanted, pol.merge_gap, pol.max_request,
+                                   pol.overfetch if overfetch is None else overfetch))
 
     async def all_requests() -> list[list[bytes]]:
         groups = [asyncio.gather(*(_fetch(blob, s, e, pol) for s, e in reqs))
