@@ -124,6 +124,12 @@ class Decoder:
 AUTO = Decoder()
 
 
+@cache
+def resolved(decoder: Decoder) -> Decoder:
+    """`decoder.resolve()`, once per decoder (the hot path calls it per image)."""
+    return decoder.resolve()
+
+
 def decoder_identity(decoder: Decoder | Mapping[str, str] | None = None) -> dict[str, str]:
     """The libraries and versions `decode_image` uses under `decoder` (default: auto)."""
     return as_decoder(decoder).identity()
@@ -221,13 +227,15 @@ def _decode_full(data: bytes, fmt: str, lib: str, scale: int = 1) -> np.ndarray:
 
 
 def decode_image(data: bytes | memoryview | np.ndarray, *, min_size: tuple[int, int] | None = None,
-                 decoder: Decoder | Mapping[str, str] | str | None = None, mode: str = "RGB") -> np.ndarray:
+                 decoder: Decoder | Mapping[str, str] | str | None = None, mode: str = "RGB",
+                 scale: int | None = None) -> np.ndarray:
     """Decodes JPEG, PNG or WebP bytes to a uint8 array [H, W, 3] (mode 'RGB') or [H, W, 1] ('L').
 
     `min_size=(h, w)`: a JPEG is decoded at the smallest 1/2, 1/4 or 1/8 reduction that is still at
     least h x w (other formats at full size) — for an output that will be resized smaller anyway.
     `decoder`: a `Decoder`, a library name ('simplejpeg', 'opencv', 'pillow') or None (fastest
-    installed). Raises `ImageDecodeError` (a `DecodeError`) for corrupt or unsupported bytes.
+    installed). `scale` (1, 2, 4, 8) gives the JPEG reduction directly instead of `min_size`.
+    Raises `ImageDecodeError` (a `DecodeError`) for corrupt or unsupported bytes.
     """
     if isinstance(data, (np.ndarray, memoryview)):
         data = data.tobytes()
@@ -240,12 +248,15 @@ def decode_image(data: bytes | memoryview | np.ndarray, *, min_size: tuple[int, 
         head = bytes(data[:8])
         raise ImageDecodeError(f"unsupported image format (first bytes {head!r}, {len(data)} bytes): "
                                "decode_image reads JPEG, PNG and WebP")
-    dec = as_decoder(decoder).resolve()
+    dec = resolved(as_decoder(decoder))
     lib = getattr(dec, fmt)
+    if scale is not None and scale not in SCALES:
+        raise PlanError(f"decode_image scale must be one of {sorted(SCALES)}, got {scale!r}")
     try:
-        scale = 1
-        if min_size is not None and fmt == "jpeg":
-            scale = reduction(decoded_size(bytes(data), fmt=fmt), min_size)
+        if fmt != "jpeg":
+            scale = 1
+        elif scale is None:
+            scale = 1 if min_size is None else reduction(decoded_size(bytes(data), fmt=fmt), min_size)
         a = _decode_full(bytes(data), fmt, lib, scale)
     except ImageDecodeError:
         raise
