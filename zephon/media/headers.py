@@ -60,7 +60,9 @@ def _jpeg(b: bytes) -> tuple[int, int]:
     i = 2
     while True:
         # a marker: one or more 0xFF fill bytes, then the code
-        if i >= n or b[i] != 0xFF:
+        if i >= n:
+            break
+        if b[i] != 0xFF:
             raise ValueError(f"no JPEG marker at byte {i} (before a frame header): corrupt or cut short")
         while i < n and b[i] == 0xFF:
             i += 1
