@@ -326,3 +326,20 @@ def test_dynamic_form(tok, captions):
     assert len(dyn["grid_thw"]) == int((d["image_grid"].prod(2) > 0).sum())
     with pytest.raises(PlanError, match="needs a VLMPack batch"):
         packed_patches({"tokens": d["tokens"]})
+
+
+def test_fixed_tiles_pipeline(tok, captions):
+    tiles = Patches(patch=14, merge=2, tile=56, max_tiles=4)
+    ops = [VisionTokens(tok, IMAGE_ID, tiles, eos=EOS_ID), VLMPack(256, 400, tiles, max_images=8)]
+    n = len(captions["text"])
+    loader = z.Loader(z.Source(n).lanes(2).batch(2, remainder="pad"), ArraySource(captions), ops)
+    images = 0
+    for b in loader:
+        d = b.data
+        g = d["image_grid"]
+        real = g.prod(2) > 0
+        images += int(real.sum())
+        assert np.all(g[real][:, 1:] == 4)  # every tile is 4 x 4 patches, t = tiles per image
+        assert int(g[real].prod(1).sum()) == int(d["patch_mask"].sum()) == 4 * int(d["image_mask"].sum())
+        assert np.all((g[real][:, 0] >= 1) & (g[real][:, 0] <= 4))  # at most max_tiles tiles
+    assert images == sum(len(x) for x in captions["images"])
