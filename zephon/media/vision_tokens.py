@@ -22,7 +22,6 @@ restored packer re-reads and re-runs it for the documents its carry names.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from typing import Any
@@ -109,7 +108,11 @@ class VisionTokens(Transform):
         if self.template is not None:
             return chat.template.render(chat._messages(value, refs, i), frozenset(self.train))
         if isinstance(value, (bytes, np.bytes_)):
-            value = bytes(value).decode("utf-8", "strict")
+            try:
+                value = bytes(value).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DecodeError(f"record {int(refs.record[i])} of source {int(refs.source[i])}: field "
+                                  f"{self.field!r} is not UTF-8 ({e}); fix the record.") from None
         if not isinstance(value, str):
             raise DecodeError(f"record {int(refs.record[i])} of source {int(refs.source[i])}: field "
                               f"{self.field!r} is {type(value).__name__}, not caption text (give "
@@ -219,8 +222,3 @@ class VisionTokens(Transform):
                "images": imgs_col, "doc_ref": refs_arr}
         return out, None
 
-
-def image_tokens(grid: Sequence[int], merge: int) -> int:
-    """Placeholder tokens of one image of grid (t, h, w): t·h·w ÷ merge²."""
-    t, h, w = (int(x) for x in grid)
-    return t * h * w // (merge * merge)
