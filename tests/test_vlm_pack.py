@@ -343,3 +343,26 @@ def test_fixed_tiles_pipeline(tok, captions):
         assert int(g[real].prod(1).sum()) == int(d["patch_mask"].sum()) == 4 * int(d["image_mask"].sum())
         assert np.all((g[real][:, 0] >= 1) & (g[real][:, 0] <= 4))  # at most max_tiles tiles
     assert images == sum(len(x) for x in captions["images"])
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "jpeg-progressive", "png", "webp"])
+def test_large_images_of_every_format_decode_to_their_grid(tok, fmt):
+    """Images more than twice the target size: JPEGs decode at a reduced DCT scale, the others
+    at full size; both are checked against the header and resized to the grid."""
+    from zephon.demo.vlmdata import draw_image
+
+    rng = np.random.default_rng(9)
+    imgs = np.empty(3, object)
+    sizes = [(394, 447), (300, 700), (251, 260)]
+    imgs[:] = [(encode_image(draw_image(rng, h, w), fmt),) for h, w in sizes]
+    data = {"text": np.array(["a cat", "a dog", "a cow"], object), "images": imgs}
+    loader = _loader(data, tok, z.Source(3).lanes(1).batch(1, remainder="pad"))
+    grids = []
+    for b in loader:
+        d = b.data
+        for j, row in enumerate(b.explain()):
+            for k, s in enumerate(row.get("segments", [])):  # one image per document here
+                g, a = d["image_grid"][j, k], int(d["image_offsets"][j, k])
+                grids.append((s["record"], tuple(int(x) for x in g)))
+                _check_pixels(d["pixel_values"][j, a:a + int(g.prod())], imgs[s["record"]][0], g)
+    assert sorted(grids) == [(i, PX.grid(*hw)) for i, hw in enumerate(sizes)]

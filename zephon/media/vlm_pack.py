@@ -293,6 +293,7 @@ class VLMPack(Accumulator):
     def _patches(self, cols: Columns, d: int, j: int) -> np.ndarray:
         """Image j of document d: decoded, checked against its header size, resized, cut."""
         from zephon.media.decode import decode_image, reduction
+        from zephon.media.headers import image_format
 
         data = cols["images"][d][j]
         h, w = (int(v) for v in cols["image_size"][d][j])
@@ -303,7 +304,7 @@ class VLMPack(Accumulator):
                              mode="RGB" if self.patches.channels == 3 else "L")
         except DecodeError as err:
             raise DecodeError(f"image {j} of record {r} of source {s} (epoch {e}): {err}") from err
-        f = reduction((h, w), (H, W))
+        f = reduction((h, w), (H, W)) if image_format(data) == "jpeg" else 1  # DCT scaling: JPEG only
         if a.shape[:2] != (math.ceil(h / f), math.ceil(w / f)):
             raise DecodeError(f"image {j} of record {r} of source {s} (epoch {e}): its header says "
                               f"{h}x{w} but it decodes to {a.shape[0]}x{a.shape[1]} (at 1/{f}); the "
