@@ -239,7 +239,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     a.axvline(50_000, color="red", ls="--", lw=1)
     a.set_xlabel("images / CPU-second (one core)")
     a.set_title("image sizes for planning (red: 50k target)")
-    labels = ["fill (slots)", "fill tokens", "fill patches", "D=8 worst rank/mean",
+    labels = ["fill\n(slots)", "fill\ntokens", "fill\npatches", "D=8 worst\nrank/mean",
               "text-only packing\nworst rank/mean"]
     vals = [p["fill_slots"], p["fill_tokens"], p["fill_patches"], p["balance_worst_step_max_over_mean"],
             p["text_only_packing_worst_step_max_over_mean"]]
