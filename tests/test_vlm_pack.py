@@ -366,3 +366,21 @@ def test_large_images_of_every_format_decode_to_their_grid(tok, fmt):
                 grids.append((s["record"], tuple(int(x) for x in g)))
                 _check_pixels(d["pixel_values"][j, a:a + int(g.prod())], imgs[s["record"]][0], g)
     assert sorted(grids) == [(i, PX.grid(*hw)) for i, hw in enumerate(sizes)]
+
+
+def test_a_hand_edited_carry_is_refused(tok, captions, tmp_path):
+    n = len(captions["text"])
+    plan = z.Source(n).shuffle(3).repeat().lanes(4).batch(8)
+    a = _loader(captions, tok, plan)
+    for _ in range(2):
+        next(a)
+    path = tmp_path / "state.json"
+    z.save_state(str(path), a.state())
+    text = path.read_text()
+    assert '"carry": {"bins": [[0' in text
+    path.write_text(text.replace('"carry": {"bins": [[0', '"carry": {"bins": [[0, 0', 1))
+    z.resign_state(str(path))
+    b = _loader(captions, tok, plan)
+    with pytest.raises(z.StateError, match="bins name held inputs"):
+        b.restore(z.load_state(str(path)))
+        next(b)  # the carry is checked when its lane's held inputs are read back
