@@ -112,5 +112,24 @@ def demo_block_shuffle() -> Any:
     return Pipeline(plan, src, [keep])
 
 
+def demo_vlm() -> Any:
+    """Conversations with images (generated in-process), image placeholders sized from the image
+    headers, packed per lane under two budgets (512 tokens, 288 patches per row); pixels decoded
+    once the rows are fixed: the vision-language pipeline (zephon.media)."""
+    from zephon.demo.vlmdata import BOS_ID, IMAGE_ID, demo_columns, vlm_tokenizer
+    from zephon.media.patches import Patches
+    from zephon.media.vision_tokens import VisionTokens
+    from zephon.media.vlm_pack import VLMPack
+    from zephon.ops.chat import ChatTemplate
+    from zephon.sources.memory import ArraySource
+    from zephon.testing import Pipeline
+
+    src = ArraySource(demo_columns())
+    px = Patches(patch=14, merge=2, max_pixels=112 * 112, min_pixels=28 * 28)
+    ops = [VisionTokens(vlm_tokenizer(), IMAGE_ID, px, field="messages", template=ChatTemplate(), bos=BOS_ID),
+           VLMPack(512, 288, px, max_images=8)]
+    return Pipeline(Source(len(src), name="vlm").shuffle(11).repeat().lanes(8).batch(16), src, ops)
+
+
 DEMO_PIPELINES = ("zephon.cli:demo_shuffle", "zephon.cli:demo_filter", "zephon.cli:demo_lm",
-                  "zephon.cli:demo_eval", "zephon.cli:demo_block_shuffle")
+                  "zephon.cli:demo_eval", "zephon.cli:demo_block_shuffle", "zephon.cli.pipelines:demo_vlm")
