@@ -48,6 +48,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(VENV)/bin/python startup.py && ../$(VENV)/bin/python telemetry.py
 	cd benchmarks && ../$(VENV)/bin/python sft.py
 	cd benchmarks && ../$(VENV)/bin/python storage.py
+	cd benchmarks && ../$(VENV)/bin/python images.py
 
 .PHONY: experiment
 # Elastic training: a tiny LM trained at D = 1, 2, 4, 8 ranks with three loaders (~13 min on 2 cores);

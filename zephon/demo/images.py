@@ -21,6 +21,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ PHOTOS: dict[str, tuple[str, str]] = {
 def photographs() -> list[tuple[str, np.ndarray]]:
     """The source photographs as (name, uint8 HxW or HxWx3), in `PHOTOS` order."""
     out: list[tuple[str, np.ndarray]] = []
-    sk = None
+    sk: Any = None
     for name, (pkg, _) in PHOTOS.items():
         if pkg == "skimage":
             if sk is None:
@@ -186,9 +187,9 @@ def tiny_images(directory: str, count: int = 256, *, corrupt: tuple[int, ...] = 
             rng = np.random.default_rng([seed, i, 7])
             jpg, caption, cls, meta = _one(rng, photos, False)
             from PIL import Image
-            im = Image.open(io.BytesIO(jpg))
-            s = int(rng.integers(40, 97)) / max(im.size)
-            im = im.resize((max(8, round(im.size[0] * s)), max(8, round(im.size[1] * s))))
+            src = Image.open(io.BytesIO(jpg))
+            s = int(rng.integers(40, 97)) / max(src.size)
+            im = src.resize((max(8, round(src.size[0] * s)), max(8, round(src.size[1] * s))))
             buf = io.BytesIO()
             im.save(buf, "JPEG", quality=meta["quality"])
             data = buf.getvalue()
