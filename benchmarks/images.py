@@ -16,8 +16,8 @@ Issue 36's targets, measured in one run on the same images:
   torch     `DataLoader(Dataset over JPEG files on disk, batch_size=256, shuffle, num_workers=2)`,
             Pillow decode + RandomResizedCrop + flip as torchvision does for PIL images
             (torchvision itself does not load with the CPU torch pinned here).
-  wds       `webdataset.WebDataset(tar shards).shuffle(1000).decode("pil").map(crop+flip)
-            .batched(256)` under `WebLoader(num_workers=2)`, as its docs write it.
+  wds       `webdataset.WebDataset(tar shards).shuffle(1000).decode("pil").to_tuple("jpg")
+            .map_tuple(crop+flip).batched(256)` under `WebLoader(num_workers=2)`, as its docs write it.
   Target: zephon >= 1.2x the best of grain, torch, wds.
 
 Large images (>= 2 MP, the demo's large set), the same pipeline with `reduce=True` (JPEG decoded
@@ -194,7 +194,7 @@ class _TorchFiles:
         with open(self.paths[i], "rb") as f:
             data = f.read()
         rng = np.random.default_rng()   # torchvision draws from the worker's global RNG
-        return torch.from_numpy(np.ascontiguousarray(pil_work(data, rng)))
+        return torch.from_numpy(np.array(pil_work(data, rng)))   # writable, as pil_to_tensor copies
 
 
 def torch_stream(files: list[str]) -> Iterator[int]:
@@ -211,9 +211,8 @@ def torch_stream(files: list[str]) -> Iterator[int]:
 
 
 # --- webdataset ----------------------------------------------------------------------------------
-def _wds_map(sample: dict[str, Any]) -> np.ndarray:
+def _wds_map(im: Any) -> np.ndarray:
     from PIL import Image
-    im = sample["jpg"]
     w, h = im.size
     rng = np.random.default_rng()
     y, x, ch, cw = _box(rng, h, w)
@@ -227,10 +226,10 @@ def wds_stream(shards: list[str]) -> Iterator[int]:
     import webdataset as wds
 
     ds = (wds.WebDataset(shards, shardshuffle=False, empty_check=False).repeat().shuffle(1000)
-          .decode("pil").map(_wds_map).batched(BATCH, partial=False))
+          .decode("pil").to_tuple("jpg").map_tuple(_wds_map).batched(BATCH, partial=False))
     loader = wds.WebLoader(ds, batch_size=None, num_workers=2)
     for b in loader:
-        assert len(b) == BATCH
+        assert b[0].shape == (BATCH, SIZE, SIZE, 3)
         yield BATCH
 
 
