@@ -42,7 +42,6 @@ import math
 import multiprocessing as mp
 import os
 import platform
-import resource
 import sys
 import tempfile
 import time
@@ -112,22 +111,26 @@ def pil_work(data: bytes, rng: np.random.Generator) -> np.ndarray:
 _JPEGS: list[bytes] = []
 
 
-def _limit_chunk(args: tuple[int, int, bool]) -> int:
+def _limit_chunk(args: tuple[int, int, str]) -> int:
     import cv2
     cv2.setNumThreads(1)
-    start, n, reduce = args
+    start, n, how = args
     rng = np.random.default_rng(start)
     batch = np.empty((n, SIZE, SIZE, 3), np.uint8)   # the work ends in a batch, as a loader's does
     for i in range(start, start + n):
-        batch[i - start] = fast_work(_JPEGS[i % len(_JPEGS)], rng, reduce)
+        data = _JPEGS[i % len(_JPEGS)]
+        batch[i - start] = pil_work(data, rng) if how == "pillow" else fast_work(data, rng, how == "reduce")
     return n
 
 
-def limit_stream(jpegs: list[bytes], reduce: bool = True) -> Iterator[int]:
+def limit_stream(jpegs: list[bytes], reduce: bool = True, pillow: bool = False) -> Iterator[int]:
+    """The work in a plain loop on a 2-process pool: simplejpeg + OpenCV (reduced DCT or not), or
+    Pillow's full decode + `resize(box=...)` (what torchvision does with PIL images)."""
     global _JPEGS
     _JPEGS = jpegs
+    how = "pillow" if pillow else "reduce" if reduce else "full"
     with mp.get_context("fork").Pool(2) as pool:
-        yield from pool.imap(_limit_chunk, ((k * BATCH, BATCH, reduce) for k in range(10 ** 9)), chunksize=1)
+        yield from pool.imap(_limit_chunk, ((k * BATCH, BATCH, how) for k in range(10 ** 9)), chunksize=1)
 
 
 # --- zephon --------------------------------------------------------------------------------------
@@ -281,9 +284,17 @@ def prepare(count: int, large_count: int, root: Path) -> dict[str, Any]:
             "large_jpegs": large_jpegs, "mean_kb": float(sizes.mean() / 1024)}
 
 
-def peak_rss_mb() -> dict[str, float]:
-    return {"consumer_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "largest_child_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+def memory_probe(shards: list[str], reduce: bool, batches: int) -> dict[str, float]:
+    """Peak RSS of a fresh process running the Zephon pipeline for `batches` batches, and of its
+    largest worker (its only children are the runner's workers)."""
+    import subprocess
+    code = (f"import sys, json, resource; sys.path.insert(0, {str(HERE)!r}); import images as B; "
+            f"it = B.zephon_stream({shards!r}, reduce={reduce!r}); "
+            f"[next(it) for _ in range({batches})]; it.close(); "
+            "print(json.dumps({'consumer_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
+            "'largest_worker_mb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -306,6 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "large: zephon full decode": lambda: zephon_stream(data["large_shards"], reduce=False),
             "large: limit reduced DCT": lambda: limit_stream(data["large_jpegs"], True),
             "large: limit full decode": lambda: limit_stream(data["large_jpegs"], False),
+            "large: Pillow full decode + resize(box) loop": lambda: limit_stream(data["large_jpegs"], pillow=True),
         }
         if args.only:
             cases = {k: v for k, v in cases.items() if any(o in k for o in args.only)}
@@ -316,7 +328,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 m = {**measure(make(), args.warmup, args.seconds), "load_1min_before": load}
                 windows[name].append(m)
                 print(f"round {rnd}: {name:30s} {m['images_per_s']:8,.0f} img/s  (load {load:.1f})", flush=True)
-        rss = peak_rss_mb()
+        rss = {"imagenet-size, 2 workers, depth 4 (default), 20 batches": memory_probe(data["shards"], True, 20),
+               "large (>= 2 MP), 2 workers, depth 4, 8 batches": memory_probe(data["large_shards"], True, 8),
+               "batch_mb": BATCH * SIZE * SIZE * 3 / 2**20}
     rows = {k: max(v, key=lambda m: m["images_per_s"]) | {"windows": [m["images_per_s"] for m in v]}
             for k, v in windows.items()}
     rate = {k: r["images_per_s"] for k, r in rows.items()}
@@ -342,6 +356,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "large: zephon reduced DCT" in rate and "large: zephon full decode" in rate:
         out["large_reduced_over_full"] = rate["large: zephon reduced DCT"] / rate["large: zephon full decode"]
         out["target_large"] = 3.0
+        if "large: Pillow full decode + resize(box) loop" in rate:   # context, not the target's metric
+            out["large_reduced_over_pillow_full_loop"] = (rate["large: zephon reduced DCT"]
+                                                          / rate["large: Pillow full decode + resize(box) loop"])
     return out
 
 
@@ -380,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "images.json").write_text(json.dumps(result, indent=1, default=float))
     plot(result, args.out / "images.png")
-    for k in ("zephon_over_limit", "zephon_over_best_peer", "large_reduced_over_full"):
+    for k in ("zephon_over_limit", "zephon_over_best_peer", "large_reduced_over_full",
+              "large_reduced_over_pillow_full_loop"):
         if k in result:
             print(f"{k}: {result[k]:.3f}")
     return 0
