@@ -284,17 +284,50 @@ def prepare(count: int, large_count: int, root: Path) -> dict[str, Any]:
             "large_jpegs": large_jpegs, "mean_kb": float(sizes.mean() / 1024)}
 
 
+def _hwm_mb(pid: int | str) -> float:
+    """Peak resident set (VmHWM) of a process, in MB (reset by exec, unlike ru_maxrss)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def _descendants(root: int) -> list[int]:
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
 def memory_probe(shards: list[str], reduce: bool, batches: int) -> dict[str, float]:
-    """Peak RSS of a fresh process running the Zephon pipeline for `batches` batches, and of its
-    largest worker (its only children are the runner's workers)."""
+    """Peak RSS (VmHWM) of a fresh process running the Zephon pipeline for `batches` batches, and
+    of its largest worker (every descendant process: the runner's workers and fork server)."""
     import subprocess
-    code = (f"import sys, json, resource; sys.path.insert(0, {str(HERE)!r}); import images as B; "
+    code = (f"import sys, os, json; sys.path.insert(0, {str(HERE)!r}); import images as B; "
             f"it = B.zephon_stream({shards!r}, reduce={reduce!r}); "
-            f"[next(it) for _ in range({batches})]; it.close(); "
-            "print(json.dumps({'consumer_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
-            "'largest_worker_mb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))")
+            f"[next(it) for _ in range({batches})]; "
+            "kids = [B._hwm_mb(p) for p in B._descendants(os.getpid())]; it.close(); "
+            "print(json.dumps({'consumer_mb': B._hwm_mb('self'), 'largest_worker_mb': max(kids, default=0.0), "
+            "'processes': 1 + len(kids)}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def memory(data: dict[str, Any]) -> dict[str, Any]:
+    return {"imagenet-size, processes(2), depth 4 (default), 20 batches": memory_probe(data["shards"], True, 20),
+            "large (>= 2 MP), processes(2), depth 4, 8 batches": memory_probe(data["large_shards"], True, 8),
+            "batch_mb": BATCH * SIZE * SIZE * 3 / 2**20,
+            "bound": "depth (4) x max(16 MB, one batch) of pixels in flight + the batch in use + one "
+                     "decoded image per worker (<= max_pixels x 3 bytes)"}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -328,9 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 m = {**measure(make(), args.warmup, args.seconds), "load_1min_before": load}
                 windows[name].append(m)
                 print(f"round {rnd}: {name:30s} {m['images_per_s']:8,.0f} img/s  (load {load:.1f})", flush=True)
-        rss = {"imagenet-size, 2 workers, depth 4 (default), 20 batches": memory_probe(data["shards"], True, 20),
-               "large (>= 2 MP), 2 workers, depth 4, 8 batches": memory_probe(data["large_shards"], True, 8),
-               "batch_mb": BATCH * SIZE * SIZE * 3 / 2**20}
+        rss = memory(data)
     rows = {k: max(v, key=lambda m: m["images_per_s"]) | {"windows": [m["images_per_s"] for m in v]}
             for k, v in windows.items()}
     rate = {k: r["images_per_s"] for k, r in rows.items()}
@@ -390,7 +421,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--memory-only", action="store_true", help="re-measure peak RSS into the existing JSON")
     args = ap.parse_args(argv)
+    if args.memory_only:
+        path = args.out / "images.json"
+        result = json.loads(path.read_text())
+        with tempfile.TemporaryDirectory(prefix="zephon-bench-images-") as tmp:
+            result["peak_rss"] = memory(prepare(args.images, args.large, Path(tmp)))
+        path.write_text(json.dumps(result, indent=1, default=float))
+        print(json.dumps(result["peak_rss"], indent=1))
+        return 0
     if args.quick:
         args.rounds, args.seconds = 1, 3.0
     result = run(args)
