@@ -122,3 +122,18 @@ def test_random_choices_are_keyed_on_the_record_not_the_batch() -> None:
     assert len({whole[i].tobytes() for i in range(6)}) > 1          # the same image, other crops
     epoch1 = op.apply({"jpg": data}, Refs(refs.source, refs.record, np.ones(6, np.int64)), 11)[0]["jpg"]
     assert not np.array_equal(epoch1, whole)                        # a new epoch, new choices
+
+
+def test_decode_operator_bounds_the_loaders_default_read_ahead() -> None:
+    import zephon as z
+    from zephon.media import DecodeImage, RandomResizedCrop, Resize
+    from zephon.sources.memory import ArraySource
+
+    src = ArraySource({"jpg": np.array([encode(smooth(30, 40), "JPEG")] * 8, dtype=object)})
+    plan = z.Source(8).repeat().lanes(2).batch(4)
+    crop = DecodeImage("jpg", RandomResizedCrop(224), on_error="skip")
+    assert z.Loader(plan, src, [crop]).read_ahead == (16 << 20) // (224 * 224 * 3)   # 111 rows, ~16 MB
+    assert z.Loader(plan, src, [DecodeImage("jpg", RandomResizedCrop(8))]).read_ahead == 1024
+    assert z.Loader(plan, src, [DecodeImage("jpg", Resize(shorter=64))]).read_ahead == 256
+    assert z.Loader(plan, src, [crop], read_ahead=4096).read_ahead == 4096      # explicit wins
+    assert z.Loader(plan, src, []).read_ahead == 16384                          # text default

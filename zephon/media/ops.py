@@ -121,6 +121,16 @@ class DecodeImage(Transform):
     def one_to_one(self) -> bool:  # type: ignore[override]
         return self.on_error != "skip"
 
+    @property
+    def read_ahead_rows(self) -> int:
+        """Rows a loader reads ahead by default with this operator: about 16 MB of output pixels
+        (64 to 1,024 rows), not the thousands of rows a text pipeline reads — a decoded image costs
+        a millisecond and its pixels take memory (see docs/images.md, Memory)."""
+        if self.geometry is not None and self.geometry.fixed is not None:
+            h, w = self.geometry.fixed
+            return max(64, min(1024, (16 << 20) // (h * w * (3 if self.mode == "RGB" else 1))))
+        return 256
+
     def config(self) -> dict[str, Any]:
         dec = as_decoder(self.decoder)
         return {"field": self.field, "out": self.out or self.field,
