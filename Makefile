@@ -55,6 +55,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(VENV)/bin/python storage.py && ../$(VENV)/bin/python storage_outage.py
 	cd benchmarks && ../$(VENV)/bin/python shuffle_ab.py
 	cd benchmarks && ../$(VENV)/bin/python vlm.py
+	cd benchmarks && ../$(VENV)/bin/python images.py
 
 .PHONY: experiment
 # Elastic training: a tiny LM trained at D = 1, 2, 4, 8 ranks with three loaders (~13 min on 2 cores);

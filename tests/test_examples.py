@@ -9,6 +9,9 @@
 - benchmarks/elastic_training.py --quick (the elastic-training experiment's smoke run; slow:
   `make verify`).
 
+- examples/clip_torch.py: CLIP-style contrastive steps on the demo images; the second half
+  resumed on 2 ranks gives the same global batches.
+
 (examples/jax_train.py is run by tests/test_jax_backend.py.)
 """
 
@@ -120,3 +123,13 @@ def test_elastic_training_experiment_quick(tmp_path):
     assert result["resume"]["zephon"]["max_abs_eval_diff_vs_uninterrupted_D2"] == 0.0
     assert all(v == result["config"]["steps"] for v in result["global_batches_equal_to_D1"]["zephon"].values())
     assert (tmp_path / "elastic_training.png").stat().st_size > 10_000
+
+
+def test_clip_torch_trains_and_resumes_on_two_ranks_identically():
+    """examples/clip_torch.py: contrastive image-text steps over the demo photographs (their first
+    shard, 1,000 JPEGs), then the second half's global batches re-made on 2 ranks from the state."""
+    pytest.importorskip("simplejpeg")
+    pytest.importorskip("skimage")
+    out = run("examples/clip_torch.py", "--steps", "6", "--images", "1000", "--batch", "32")
+    assert re.search(r"step   5  loss \d+\.\d+", out), out
+    assert "resumed at step 3 on 2 ranks: 3 of 3 global batches identical" in out, out

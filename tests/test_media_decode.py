@@ -81,3 +81,59 @@ def test_decoder_identity_names_libraries_and_versions() -> None:
     assert pil["jpeg"].startswith("pillow ") and pil["resize"].startswith("pillow ")
     with pytest.raises(ValueError, match="not one of"):
         Decoder(jpeg="libjpeg").resolve()
+
+
+def test_decode_operator_identity_names_decoder_and_version_and_refuses_another() -> None:
+    import zephon as z
+    from zephon.errors import StateError
+    from zephon.media import DecodeImage, RandomResizedCrop
+    from zephon.sources.memory import ArraySource
+
+    data = np.array([encode(smooth(30 + i, 40), "JPEG") for i in range(8)], dtype=object)
+    src = ArraySource({"jpg": data})
+    plan = z.Source(8).repeat().lanes(2).batch(4)
+    auto = DecodeImage("jpg", RandomResizedCrop(8), flip=0.5)
+    cfg = auto.identity()["config"]["decoder"]
+    assert cfg == decoder_identity() and all(" " in v for v in cfg.values())   # "library version"
+    a = z.Loader(plan, src, [auto], seed=2)
+    next(a)
+    state = a.state()
+    if decoder_identity()["jpeg"].startswith("pillow"):
+        pytest.skip("only Pillow is installed: no other decoder to refuse")
+    other = z.Loader(plan, src, [DecodeImage("jpg", RandomResizedCrop(8), flip=0.5, decoder="pillow")], seed=2)
+    with pytest.raises(StateError, match=r"DecodeImage.*decoder\.jpeg"):
+        other.restore(state)
+    same = z.Loader(plan, src, [DecodeImage("jpg", RandomResizedCrop(8), flip=0.5)], seed=2)
+    same.restore(state)
+    np.testing.assert_array_equal(next(same).data["jpg"], next(a).data["jpg"])
+
+
+def test_random_choices_are_keyed_on_the_record_not_the_batch() -> None:
+    from zephon.media import DecodeImage, RandomResizedCrop
+    from zephon.plan import Refs
+
+    data = np.array([encode(smooth(50, 70), "JPEG")] * 6, dtype=object)
+    op = DecodeImage("jpg", RandomResizedCrop(10, scale=(0.1, 0.5)), flip=0.5)
+    refs = Refs(np.zeros(6, np.int64), np.arange(6), np.zeros(6, np.int64))
+    whole = op.apply({"jpg": data}, refs, 11)[0]["jpg"]
+    parts = [op.apply({"jpg": data[i:i + 1]}, refs.take(np.array([i])), 11)[0]["jpg"][0] for i in (4, 0, 2)]
+    for got, i in zip(parts, (4, 0, 2)):
+        np.testing.assert_array_equal(got, whole[i])
+    assert len({whole[i].tobytes() for i in range(6)}) > 1          # the same image, other crops
+    epoch1 = op.apply({"jpg": data}, Refs(refs.source, refs.record, np.ones(6, np.int64)), 11)[0]["jpg"]
+    assert not np.array_equal(epoch1, whole)                        # a new epoch, new choices
+
+
+def test_decode_operator_bounds_the_loaders_default_read_ahead() -> None:
+    import zephon as z
+    from zephon.media import DecodeImage, RandomResizedCrop, Resize
+    from zephon.sources.memory import ArraySource
+
+    src = ArraySource({"jpg": np.array([encode(smooth(30, 40), "JPEG")] * 8, dtype=object)})
+    plan = z.Source(8).repeat().lanes(2).batch(4)
+    crop = DecodeImage("jpg", RandomResizedCrop(224), on_error="skip")
+    assert z.Loader(plan, src, [crop]).read_ahead == (16 << 20) // (224 * 224 * 3)   # 111 rows, ~16 MB
+    assert z.Loader(plan, src, [DecodeImage("jpg", RandomResizedCrop(8))]).read_ahead == 1024
+    assert z.Loader(plan, src, [DecodeImage("jpg", Resize(shorter=64))]).read_ahead == 256
+    assert z.Loader(plan, src, [crop], read_ahead=4096).read_ahead == 4096      # explicit wins
+    assert z.Loader(plan, src, []).read_ahead == 16384                          # text default

@@ -190,3 +190,40 @@ def test_array_record_media_records(tmp_path) -> None:
     write_array_record(tmp_path / "bad.ar", [b"not a media record"])
     with pytest.raises(DecodeError, match="not a MediaRecord"):
         ArrayRecordSource(str(tmp_path / "bad.ar"), MediaRecord()).read(np.array([0]))
+
+
+def test_braces_expand_like_energon() -> None:
+    from zephon.sources.energon import braces
+
+    assert braces("parts/data-{000..002}.tar") == ["parts/data-000.tar", "parts/data-001.tar", "parts/data-002.tar"]
+    assert braces("{a,b}-{1..2}") == ["a-1", "a-2", "b-1", "b-2"]
+    assert braces("plain.tar") == ["plain.tar"]
+
+
+def test_energon_prepared_dataset_splits_excludes_and_counts(tmp_path, monkeypatch) -> None:
+    import json
+
+    from zephon.sources.energon import energon_source
+
+    monkeypatch.setenv("ZEPHON_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "ds"
+    (root / "parts").mkdir(parents=True)
+    (root / ".nv-meta").mkdir()
+    for k in range(3):
+        write_webdataset(str(root / "parts" / f"data-{k}.tar"), samples(6, 6 * k))
+    counts = {f"parts/data-{k}.tar": 6 for k in range(3)}
+    (root / ".nv-meta" / ".info.json").write_text(json.dumps({"shard_counts": counts}))
+    (root / ".nv-meta" / "split.yaml").write_text(
+        "split_parts:\n  train:\n    - parts/data-{0..1}.tar\n  val:\n    - parts/data-2.tar\n"
+        "exclude:\n  - parts/data-1.tar/000008\n")
+    train = energon_source(root, "train", ["jpg", "txt"])
+    keys = list(train.read(np.arange(len(train)))["__key__"])
+    assert len(train) == 11 and "000008" not in keys and keys[0] == "000000"
+    assert len(energon_source(root, "val")) == 6
+    with pytest.raises(SourceError, match="no split 'test'"):
+        energon_source(root, "test")
+    (root / ".nv-meta" / ".info.json").write_text(json.dumps({"shard_counts": {**counts, "parts/data-0.tar": 5}}))
+    with pytest.raises(SourceError, match=r"data-0.tar: 6 samples, but .nv-meta says 5"):
+        energon_source(root, "train")
+    with pytest.raises(SourceError, match="energon prepare"):
+        energon_source(tmp_path / "parts-only", "train")

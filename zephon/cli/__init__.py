@@ -34,7 +34,16 @@ from collections.abc import Sequence
 from zephon import __version__
 from zephon.cli import bench, demo, explain, state, verify
 from zephon.cli.demo import SPEC, make_dataset
-from zephon.cli.pipelines import DEMO_PIPELINES, demo_block_shuffle, demo_eval, demo_filter, demo_lm, demo_shuffle
+from zephon.cli.pipelines import (
+    DEMO_PIPELINES,
+    demo_block_shuffle,
+    demo_eval,
+    demo_filter,
+    demo_images,
+    demo_images_skip,
+    demo_lm,
+    demo_shuffle,
+)
 from zephon.cli.usage import UsageError, _Parser
 from zephon.errors import ZephonError
 
@@ -77,5 +86,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["DEMO_PIPELINES", "SPEC", "UsageError", "demo_block_shuffle", "demo_eval", "demo_filter", "demo_lm",
-           "demo_shuffle", "main", "make_dataset"]
+__all__ = ["DEMO_PIPELINES", "SPEC", "UsageError", "demo_block_shuffle", "demo_eval", "demo_filter", "demo_images",
+           "demo_images_skip", "demo_lm", "demo_shuffle", "main", "make_dataset"]

@@ -1,6 +1,8 @@
 """The demo pipelines `zephon verify` checks by default, importable by name (also in the other
 processes of a multi-process run) as `zephon.cli:demo_shuffle`, `:demo_filter`, `:demo_lm`,
-`:demo_eval` (a finite, padded one), `:demo_block_shuffle`."""
+`:demo_eval` (a finite, padded one), `:demo_block_shuffle`, `:demo_images` (decode +
+random-resized crop + flip), `:demo_images_skip` (the same skipping corrupt JPEGs) and
+`zephon.cli.pipelines:demo_vlm` (vision-language packing)."""
 
 from __future__ import annotations
 
@@ -131,5 +133,47 @@ def demo_vlm() -> Any:
     return Pipeline(Source(len(src), name="vlm").shuffle(11).repeat().lanes(8).batch(16), src, ops)
 
 
+def _image_shards() -> tuple[list[str], list[str]]:
+    """Tiny JPEGs made once next to the demo data: 256 clean ones in 2 shards, and a third
+    shard of 64 in which samples 7 and 40 are truncated (for `on_error='skip'`)."""
+    final = _demo_dir().parent / "images-v2"
+    clean = [str(final / f"tiny-{k}.tar") for k in range(2)]
+    bad = [str(final / "tiny-skip-0.tar")]
+    if not (final / "done").exists():
+        from zephon.demo.images import tiny_images
+
+        final.mkdir(parents=True, exist_ok=True)
+        tiny_images(str(final), 256)
+        tiny_images(str(final), 64, corrupt=(7, 40), seed=1, name="tiny-skip", shards=1)
+        (final / "done").write_text("ok")
+    return clean, bad
+
+
+def demo_images() -> Any:
+    """Image classification: WebDataset shards -> decode fused with random-resized crop 32 and a
+    flip -> [16, 32, 32, 3] uint8 batches. One-to-one, so O(1) random access (`batch(k)`)."""
+    from zephon.media import DecodeImage, RandomResizedCrop
+    from zephon.sources.webdataset import WebDatasetSource
+    from zephon.testing import Pipeline
+
+    src = WebDatasetSource(_image_shards()[0], ["jpg", "cls"])
+    op = DecodeImage("jpg", RandomResizedCrop(32, scale=(0.25, 1.0)), flip=0.5, out="image")
+    return Pipeline(Source(len(src), name="tiny_images").shuffle(9).repeat().lanes(8).batch(16), src, [op])
+
+
+def demo_images_skip() -> Any:
+    """The same with two truncated JPEGs among the data and `on_error="skip"`: decode becomes a
+    filter (count-changing, the lane engine), and drops the same records at every D."""
+    from zephon.media import DecodeImage, RandomResizedCrop
+    from zephon.sources.webdataset import WebDatasetSource
+    from zephon.testing import Pipeline
+
+    clean, bad = _image_shards()
+    src = WebDatasetSource(bad + clean[:1], ["jpg", "cls"])
+    op = DecodeImage("jpg", RandomResizedCrop(24), flip=0.5, out="image", on_error="skip")
+    return Pipeline(Source(len(src), name="tiny_images_skip").shuffle(4).repeat().lanes(8).batch(16), src, [op])
+
+
 DEMO_PIPELINES = ("zephon.cli:demo_shuffle", "zephon.cli:demo_filter", "zephon.cli:demo_lm",
-                  "zephon.cli:demo_eval", "zephon.cli:demo_block_shuffle", "zephon.cli.pipelines:demo_vlm")
+                  "zephon.cli:demo_eval", "zephon.cli:demo_block_shuffle", "zephon.cli:demo_images",
+                  "zephon.cli:demo_images_skip", "zephon.cli.pipelines:demo_vlm")

@@ -19,7 +19,7 @@ Runs a pipeline under a matrix of configurations and compares every global step,
 and row by row, with the reference: the numpy emitter at D=1. Exits 0 only when every
 configuration is identical (1 when one differs or fails, 2 on a usage error), so it can gate CI.
 
-TARGET is what to verify (several may be given; none: the three demo pipelines):
+TARGET is what to verify (several may be given; none: the demo pipelines):
   MODULE:FACTORY          e.g. my_project.data:pipeline (importable from here)
   path/to/file.py:FACTORY a file outside any package
   plan.json               a saved plan (plan.canonical_json(), or a saved state): its rows'

@@ -21,6 +21,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ PHOTOS: dict[str, tuple[str, str]] = {
 def photographs() -> list[tuple[str, np.ndarray]]:
     """The source photographs as (name, uint8 HxW or HxWx3), in `PHOTOS` order."""
     out: list[tuple[str, np.ndarray]] = []
-    sk = None
+    sk: Any = None
     for name, (pkg, _) in PHOTOS.items():
         if pkg == "skimage":
             if sk is None:
@@ -167,3 +168,35 @@ def demo_images(count: int = 20_000, *, large: bool = False, seed: int = 0, dire
     if bar is not None:
         bar.close()
     return DemoImages(tuple(shards), count, large)
+
+
+def tiny_images(directory: str, count: int = 256, *, corrupt: tuple[int, ...] = (), seed: int = 0,
+                name: str = "tiny", shards: int = 2) -> list[str]:
+    """A small WebDataset set for tests and `zephon verify`: `count` JPEGs of 40-96 px (crops of
+    the same photographs, varied sizes and subsamplings) with captions and classes, in `shards`
+    shards; the samples in `corrupt` get truncated JPEG bytes (for `on_error='skip'`). Returns
+    the shard paths."""
+    from zephon.sources.webdataset import write_webdataset
+
+    os.makedirs(directory, exist_ok=True)
+    photos = photographs()
+    paths = [os.path.join(directory, f"{name}-{k}.tar") for k in range(shards)]
+    for k, path in enumerate(paths):
+        samples = []
+        for i in range(k * count // shards, (k + 1) * count // shards):
+            rng = np.random.default_rng([seed, i, 7])
+            jpg, caption, cls, meta = _one(rng, photos, False)
+            from PIL import Image
+            src = Image.open(io.BytesIO(jpg))
+            s = int(rng.integers(40, 97)) / max(src.size)
+            im = src.resize((max(8, round(src.size[0] * s)), max(8, round(src.size[1] * s))))
+            buf = io.BytesIO()
+            im.save(buf, "JPEG", quality=meta["quality"])
+            data = buf.getvalue()
+            if i in corrupt:
+                data = data[: len(data) // 3]
+            samples.append({"__key__": f"{name}-{i:06d}", "jpg": data, "txt": caption, "cls": cls})
+        tmp = f"{path}.tmp-{os.getpid()}"
+        write_webdataset(tmp, samples)
+        os.replace(tmp, path)
+    return paths

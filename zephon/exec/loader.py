@@ -147,7 +147,10 @@ class Loader(FiniteEnd, Resumable):
         self._unemitted_said = False
         self._seen = [0, 0]
         self.runner = runner
-        self.read_ahead = READ_AHEAD_ROWS if read_ahead is None else check_positive_int(read_ahead, "read_ahead")
+        # an operator whose rows are costly (a decoded image) may ask for fewer rows per read
+        hints = [getattr(t, "read_ahead_rows", None) for t in self.pipeline.ops]
+        default = min([READ_AHEAD_ROWS, *(int(h) for h in hints if h)])
+        self.read_ahead = default if read_ahead is None else check_positive_int(read_ahead, "read_ahead")
         #: lane positions relative to the plan's (a random-access run resumed at another batch size)
         self._shift = 0
         self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed, self.epoch)

@@ -5,3 +5,12 @@ Media are bytes fields like any other; everything here is an ordinary operator w
 its randomness from the data-derived generator, so the pixels of global batch k are the same at
 every D, runner and emitter.
 """
+
+from zephon.media.augment import CenterCrop, Draws, RandomResizedCrop, Resize, normalize
+from zephon.media.decode import Decoder, ImageDecodeError, decode_image, decoder_identity, image_format
+from zephon.media.ops import AugmentImage, DecodeImage, NormalizeImage
+
+__all__ = [
+    "AugmentImage", "CenterCrop", "DecodeImage", "Decoder", "Draws", "ImageDecodeError", "NormalizeImage",
+    "RandomResizedCrop", "Resize", "decode_image", "decoder_identity", "image_format", "normalize",
+]

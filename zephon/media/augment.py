@@ -158,9 +158,12 @@ def reduction_for(box: Box, out: tuple[int, int], limit: int = 8) -> int:
 
 def crop_resize(a: np.ndarray, box: Box, out: tuple[int, int], factor: int, resize: str,
                 dst: np.ndarray | None = None, flip: bool = False) -> np.ndarray:
-    """Crops `box` (original pixels; `a` decoded at 1/factor) and resizes it to `out` (h, w) with
-    OpenCV (bilinear) or Pillow (bilinear, antialiased); flips left-right when `flip`. Writes
-    into `dst` when given (a slot of a preallocated batch) and returns it."""
+    """Crops `box` (original pixels; `a` decoded at 1/factor) and resizes it to `out` (h, w);
+    flips left-right when `flip`. Writes into `dst` when given (a slot of a preallocated batch).
+
+    OpenCV: bilinear when the remaining downscale is under 2x (after a reduced DCT decode it
+    always is), area averaging when it is 2x or more — bilinear alone would alias there, which
+    is what torchvision's `antialias=True` avoids. Pillow: bilinear with its own antialiasing."""
     y, x, ch, cw = box
     ah, aw = a.shape[:2]
     if factor > 1:   # the box in the reduced image: round the corners, keep at least one pixel
@@ -170,25 +173,77 @@ def crop_resize(a: np.ndarray, box: Box, out: tuple[int, int], factor: int, resi
         y0, x0, y1, x1 = y, x, min(ah, y + ch), min(aw, x + cw)
     crop = a[y0:y1, x0:x1]
     oh, ow = out
+    c = crop.shape[2]
+    if dst is None:
+        dst = np.empty((oh, ow, c), np.uint8)
     if crop.shape[0] == oh and crop.shape[1] == ow:
         r = crop
     elif resize == "opencv":
         import cv2
-        r = cv2.resize(crop, (ow, oh), interpolation=cv2.INTER_LINEAR)
-        if r.ndim == 2:
-            r = r[:, :, None]
+        shrink = min(crop.shape[0] / oh, crop.shape[1] / ow)
+        mode = cv2.INTER_AREA if shrink >= 2 else cv2.INTER_LINEAR
+        if c == 1:
+            r = cv2.resize(crop[:, :, 0], (ow, oh), interpolation=mode)[:, :, None]
+        elif not flip:
+            cv2.resize(crop, (ow, oh), dst=dst, interpolation=mode)
+            return dst
+        else:
+            r = cv2.resize(crop, (ow, oh), interpolation=mode)
     else:
         from PIL import Image
-        im = Image.fromarray(crop[:, :, 0] if crop.shape[2] == 1 else crop)
+        im = Image.fromarray(crop[:, :, 0] if c == 1 else crop)
         r = np.asarray(im.resize((ow, oh), Image.Resampling.BILINEAR))
-        if r.ndim == 2:
-            r = r[:, :, None]
+        r = r[:, :, None] if r.ndim == 2 else r
     if flip:
-        r = r[:, ::-1]
-    if dst is None:
-        return np.ascontiguousarray(r)
-    dst[...] = r
+        _flip_into(r, dst)
+    else:
+        dst[...] = r
     return dst
+
+
+def _flip_into(src: np.ndarray, dst: np.ndarray) -> None:
+    """dst = src flipped left-right, in one pass (OpenCV's flip when src is 3-channel)."""
+    if src.shape[2] == 3:
+        try:
+            import cv2
+            cv2.flip(src, 1, dst=dst)
+            return
+        except ImportError:
+            pass
+    dst[...] = src[:, ::-1]
+
+
+_M = (1 << 64) - 1
+
+
+class Draws:
+    """A small counter-based random stream (splitmix64) for one record: `uniform`, `integers`,
+    `random` — the calls geometry specs make. Seeded by the record's 64-bit seed
+    (`zephon.ops.base.record_seeds`), it costs a microsecond to set up where a numpy Generator
+    costs a hundred, and gives the same numbers on every platform and numpy version."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, seed: int) -> None:
+        self.state = int(seed) & _M
+
+    def _next(self) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) & _M
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M
+        return z ^ (z >> 31)
+
+    def random(self) -> float:
+        """A float in [0, 1) with 53 random bits."""
+        return (self._next() >> 11) * (1.0 / (1 << 53))
+
+    def uniform(self, low: float, high: float) -> float:
+        return low + (high - low) * self.random()
+
+    def integers(self, low: int, high: int) -> int:
+        """An int in [low, high) (multiply-shift: no modulo bias worth naming below 2^32)."""
+        return low + (((self._next() >> 32) * (high - low)) >> 32)
 
 
 def normalize(images: np.ndarray, mean: Sequence[float], std: Sequence[float],

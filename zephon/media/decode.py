@@ -46,7 +46,7 @@ class ImageDecodeError(DecodeError):
 
 def image_format(data: bytes | memoryview | np.ndarray) -> str | None:
     """'jpeg', 'png', 'webp' from the first bytes, or None for anything else."""
-    head = bytes(memoryview(data)[:12])
+    head = data[:12].tobytes() if isinstance(data, np.ndarray) else bytes(data[:12])
     if head[:3] == b"\xff\xd8\xff":
         return "jpeg"
     if head[:8] == b"\x89PNG\r\n\x1a\n":

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import DecodeError, PlanError
-from zephon.media.augment import Geometry, crop_resize, normalize, reduction_for
+from zephon.media.augment import Draws, Geometry, crop_resize, normalize, reduction_for
 from zephon.media.decode import (
     AUTO,
     Decoder,
@@ -34,7 +34,7 @@ from zephon.media.decode import (
     image_format,
     resolved,
 )
-from zephon.ops.base import Transform, record_rng, record_seeds
+from zephon.ops.base import Transform, record_seeds
 from zephon.plan import Refs
 from zephon.sources.base import Columns
 
@@ -121,6 +121,16 @@ class DecodeImage(Transform):
     def one_to_one(self) -> bool:  # type: ignore[override]
         return self.on_error != "skip"
 
+    @property
+    def read_ahead_rows(self) -> int:
+        """Rows a loader reads ahead by default with this operator: about 16 MB of output pixels
+        (64 to 1,024 rows), not the thousands of rows a text pipeline reads — a decoded image costs
+        a millisecond and its pixels take memory (see docs/images.md, Memory)."""
+        if self.geometry is not None and self.geometry.fixed is not None:
+            h, w = self.geometry.fixed
+            return max(64, min(1024, (16 << 20) // (h * w * (3 if self.mode == "RGB" else 1))))
+        return 256
+
     def config(self) -> dict[str, Any]:
         dec = as_decoder(self.decoder)
         return {"field": self.field, "out": self.out or self.field,
@@ -144,7 +154,7 @@ class DecodeImage(Transform):
         keep = np.ones(n, bool)
         for i in range(n):
             try:
-                rng = record_rng(seeds[i]) if seeds is not None else None
+                rng = Draws(int(seeds[i])) if seeds is not None else None
                 got = self._one(_bytes_of(data[i]), rng, dec, values[i] if fixed else None)
                 if not fixed:
                     values[i] = got
@@ -171,7 +181,8 @@ class DecodeImage(Transform):
             raise DecodeError(f"image of {h}x{w} = {h * w} pixels exceeds max_pixels={self.max_pixels}")
         if geo is None:
             a = decode_image(data, decoder=dec, mode=self.mode)
-            return np.ascontiguousarray(a[:, ::-1]) if self.flip > 0 and rng.random() < self.flip else a
+            return np.ascontiguousarray(a[:, ::-1]) if self.flip > 0 and rng is not None \
+                and rng.random() < self.flip else a
         box, size = geo.plan(rng, h, w)
         flip = self.flip > 0 and rng.random() < self.flip
         factor = reduction_for(box, size) if (self.reduce and fmt == "jpeg") else 1
@@ -214,7 +225,7 @@ class AugmentImage(Transform):
             a = np.asarray(images[i])
             if a.ndim == 2:
                 a = a[:, :, None]
-            rng = record_rng(seeds[i]) if seeds is not None else None
+            rng = Draws(int(seeds[i])) if seeds is not None else None
             h, w = a.shape[:2]
             box, size = geo.plan(rng, h, w) if geo is not None else ((0, 0, h, w), (h, w))
             flip = self.flip > 0 and rng is not None and rng.random() < self.flip

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -162,10 +162,11 @@ class WebDatasetSource:
         them with `zephon.media.DecodeImage`, a lane operator with an identity.
     missing: 'raise' (a sample without one of the fields is a `SourceError` naming the shard, key
         and member) or 'skip' (such samples are not numbered).
+    exclude: samples left out of the numbering, as '<shard path>/<key>' (Energon's excludes).
     """
 
     def __init__(self, paths: Paths | Sequence[str], fields: Sequence[str] | None = None, *,
-                 decode: bool = True, missing: str = "raise") -> None:
+                 decode: bool = True, missing: str = "raise", exclude: Collection[str] = ()) -> None:
         if missing not in ("raise", "skip"):
             raise ValueError(f"WebDatasetSource: missing must be 'raise' or 'skip', got {missing!r}")
         self.paths = _expand(paths)
@@ -206,7 +207,13 @@ class WebDatasetSource:
             if c is not None:
                 table[j][c] = m
         members = np.array(table, np.int64).reshape(len(order), len(self.fields))
+        self._per_shard_all = np.bincount([o[0] for o in order], minlength=len(self.paths))
+        if exclude:
+            drop = {str(e) for e in exclude}
+            out = np.array([f"{self.paths[s]}/{k}" in drop for s, k in order], bool)
+            members[out] = np.iinfo(np.int64).max   # neither missing nor kept: left out silently
         bad = np.flatnonzero((members < 0).any(axis=1))
+        excluded = (members == np.iinfo(np.int64).max).all(axis=1)
         if bad.size and missing == "raise":
             s, k = order[int(bad[0])]
             lack = [f for f, m in zip(self.fields, members[bad[0]]) if m < 0]
@@ -216,7 +223,7 @@ class WebDatasetSource:
                 f"{bad.size} of {len(order)} samples are incomplete). Fix the shard, pass "
                 "fields= naming only the extensions every sample has, or missing='skip' to leave "
                 "incomplete samples out.")
-        keep = np.flatnonzero((members >= 0).all(axis=1))
+        keep = np.flatnonzero((members >= 0).all(axis=1) & ~excluded)
         if bad.size:
             log.warning("WebDatasetSource: %d of %d samples lack a field of %s and are left out",
                         bad.size, len(order), list(self.fields))
@@ -227,6 +234,12 @@ class WebDatasetSource:
 
     def __len__(self) -> int:
         return len(self._members)
+
+    def samples_per_shard(self, include_excluded: bool = False) -> list[int]:
+        """Samples numbered from each shard (or every key group, `include_excluded=True`)."""
+        if include_excluded:
+            return [int(n) for n in self._per_shard_all]
+        return [int(n) for n in np.bincount(self._shard, minlength=len(self.paths))]
 
     def __repr__(self) -> str:
         return f"WebDatasetSource({len(self.paths)} shards, {len(self)} samples, fields={list(self.fields)})"
