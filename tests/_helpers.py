@@ -50,3 +50,16 @@ def run_group(cmd: list[str], *, timeout: float, capture_output: bool = False, c
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+def text_corpus(d: Any) -> Any:
+    """Two JSONL files in `d` (prose.jsonl, code.jsonl) and a BPE tokenizer directory `d/tok` with
+    a 2,000-token vocabulary (under the debug models' 2,048): the trainer integrations' data."""
+    from zephon.demo.textdata import generate_corpus, train_bpe, write_jsonl
+
+    prose, code = generate_corpus(200, seed=1), generate_corpus(150, seed=2, style="code")
+    write_jsonl(str(d / "prose.jsonl"), prose)
+    write_jsonl(str(d / "code.jsonl"), code)
+    (d / "tok").mkdir()
+    train_bpe(prose + code, vocab_size=2000).save(str(d / "tok" / "tokenizer.json"))
+    return d

@@ -11,7 +11,6 @@ transformers. `pretrain()` does not run: it is CUDA-only.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -21,13 +20,14 @@ pytest.importorskip("megatron.core")
 
 import _megatron_samplers
 import torch
-from _helpers import run_group
+from _helpers import run_group, text_corpus
 
 if _megatron_samplers.samplers_path() is None:
     pytest.skip("Megatron's samplers (megatron-bridge, installed --no-deps by the Makefile) are missing",
                 allow_module_level=True)
 
 from zephon.errors import PlanError
+from zephon.testing.object_servers import free_port
 
 WORKER = Path(__file__).with_name("_megatron_worker.py")
 GLOBAL, MICRO, SEQ, EOD = 8, 2, 32, 2  # as in the worker
@@ -55,15 +55,7 @@ def test_megatrons_sampler_is_the_chunked_layout():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from zephon.demo.textdata import generate_corpus, train_bpe, write_jsonl
-
-    d = tmp_path_factory.mktemp("mg_data")
-    prose, code = generate_corpus(200, seed=1), generate_corpus(150, seed=2, style="code")
-    write_jsonl(str(d / "prose.jsonl"), prose)
-    write_jsonl(str(d / "code.jsonl"), code)
-    (d / "tok").mkdir()
-    train_bpe(prose + code, vocab_size=2000).save(str(d / "tok" / "tokenizer.json"))
-    return d
+    return text_corpus(tmp_path_factory.mktemp("mg_data"))
 
 
 @pytest.fixture(scope="module")
@@ -187,17 +179,11 @@ def test_the_batch_contract_matches_megatrons_mock_gpt_dataset(data):
     assert boundaries > 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ranks(corpus: Path, out: Path, consumed: int, steps: int, nproc: int = 2, state_dir: Path | None = None
            ) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(WORKER), str(out), str(corpus),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER), str(out), str(corpus),
            str(consumed), str(steps), *([str(state_dir)] if state_dir else [])]
     res = run_group(cmd, timeout=300, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]

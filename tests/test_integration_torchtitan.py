@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -19,32 +18,20 @@ import pytest
 pytest.importorskip("torchtitan")
 
 import torch
-from _helpers import run_group
+from _helpers import run_group, text_corpus
 
 from zephon.errors import PlanError, StateError
 from zephon.exec.state import merge_states
+from zephon.testing.object_servers import free_port
 
 WORKER = Path(__file__).with_name("_torchtitan_worker.py")
 SEQ, GLOBAL = 64, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Two JSONL files (prose, code) and a BPE tokenizer directory TorchTitan can load."""
-    from zephon.demo.textdata import generate_corpus, train_bpe, write_jsonl
-
-    d = tmp_path_factory.mktemp("tt_data")
-    prose, code = generate_corpus(200, seed=1), generate_corpus(150, seed=2, style="code")
-    write_jsonl(str(d / "prose.jsonl"), prose)
-    write_jsonl(str(d / "code.jsonl"), code)
-    (d / "tok").mkdir()
-    train_bpe(prose + code, vocab_size=2000).save(str(d / "tok" / "tokenizer.json"))  # < the model's 2048
+    d = text_corpus(tmp_path_factory.mktemp("tt_data"))
     (d / "tok" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
     return d
 
@@ -52,7 +39,7 @@ def corpus(tmp_path_factory):
 def _train(corpus: Path, out: Path, nproc: int, local_batch: int, steps: int = 4) -> list[list[dict]]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(WORKER), str(out),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER), str(out),
            "--module", "zephon.integrations.torchtitan", "--config", "zephon_llama3_debugmodel",
            "--hf_assets_path", str(corpus / "tok"),
            "--dataloader.paths", f"{corpus / 'prose.jsonl'},{corpus / 'code.jsonl'}",
