@@ -118,3 +118,25 @@ def test_threads_and_worker_processes_read_the_same_block_shuffled_batches(s3):
         with z.Loader(plan, src, runner=runner, read_ahead=1024) as loader:
             got = [next(loader).data["x"][:, 0] for _ in range(12)]
         assert all(np.array_equal(a, b) for a, b in zip(got, want)), runner
+
+
+def test_whole_block_reads_decode_every_round_and_touching_blocks_share_a_get(s3):
+    """A read touching every block: blocks go out in rounds of `RUN_GROUP`, each round's
+    touching blocks in one GET, decoded by the thread that fetched it — the records are the
+    ones asked for, in the order asked, and each block is fetched once."""
+    from zephon.sources.array_record_remote import RUN_GROUP
+
+    src = ArrayRecordSource(f"{s3['base']}/ar.array_record", SPEC)
+    src.follow_blocks(512, 1000)
+    idx = np.random.default_rng(1).permutation(N)[:8192]
+    blocks = len(np.unique(idx // 512))
+    assert blocks == N // 512  # every block touched: many rounds in flight at once
+    before = storage.STATS["requests"]
+    got = src.read(idx)["x"]
+    assert storage.STATS["requests"] - before == -(-blocks // RUN_GROUP)
+    assert np.array_equal(got[:, 0], idx) and np.array_equal(got[:, 15], idx + 15)
+    stats = src.block_stats()
+    assert stats is not None and stats.fetched == blocks
+    again = src.read(idx[::-1])["x"]  # from the cache: no request
+    assert storage.STATS["requests"] - before == -(-blocks // RUN_GROUP)
+    assert np.array_equal(again[:, 0], idx[::-1])

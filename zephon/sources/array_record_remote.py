@@ -20,7 +20,6 @@ in all but unlucky cases.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -376,8 +375,10 @@ def decode_run(data: bytes, start: int, begins: np.ndarray) -> list[bytes]:
 
 def _decompress_many(zstd: Any, buf: bytes, starts: np.ndarray, ends: np.ndarray,
                      sizes: np.ndarray) -> list[bytes] | None:
-    """Every zstd frame `buf[starts[i]:ends[i]]` decompressed in one call of the C extension,
-    on a few threads (no Python per record but the result's bytes); None where that call is
+    """Every zstd frame `buf[starts[i]:ends[i]]` decompressed in one call of the C extension, on
+    the calling thread without the GIL (no Python per record but the result's bytes; `read_runs`
+    decodes its rounds on several threads at once, so threads of zstd's own would only compete
+    with them for the cores); None where that call is
     unavailable (zstandard's cffi backend) or refuses the input."""
     import zstandard
 
@@ -387,7 +388,7 @@ def _decompress_many(zstd: Any, buf: bytes, starts: np.ndarray, ends: np.ndarray
         segments = np.stack([starts, ends - starts], axis=1).astype(np.uint64)
         frames = zstandard.BufferWithSegments(buf, segments.tobytes())
         got = zstd.multi_decompress_to_buffer(frames, decompressed_sizes=sizes.astype(np.uint64).tobytes(),
-                                              threads=min(4, os.cpu_count() or 1))
+                                              threads=0)
     except (zstandard.ZstdError, ValueError, TypeError):
         return None
     out = [got[i].tobytes() for i in range(len(got))]
@@ -432,36 +433,47 @@ def _fetch_pool() -> Any:
 def read_runs(readers: list[RangedArrayRecord], spans: list[tuple[int, int]]) -> list[list[bytes]]:
     """The records `lo..hi-1` of `readers[k]` for each `spans[k]` (records of whole chunks are
     fetched as one range per span and decoded together): the block shuffle's whole-block read.
-    Spans go out in rounds of `RUN_GROUP`, all rounds at once; each is decoded as it arrives."""
+    Spans go out in rounds of `RUN_GROUP`, all rounds at once; each round is decoded by the
+    thread that fetched it as soon as it arrives (zstd releases the GIL), so decoding runs on
+    every core while the other rounds download, not one round at a time after them."""
     plans = []
     for r, (lo, hi) in zip(readers, spans):
         c0 = int(np.searchsorted(r.chunk_first, lo, side="right") - 1)
         c1 = int(np.searchsorted(r.chunk_first, hi - 1, side="right") - 1)
         plans.append((c0, c1, int(r.chunk_begin[c0]), int(r.chunk_end[c1])))
-    items = [(r.blob, [(a, e - a)]) for r, (_, _, a, e) in zip(readers, plans)]
-    groups = [items[i:i + RUN_GROUP] for i in range(0, len(items), RUN_GROUP)]
-    if len(groups) > 1:
-        pool = _fetch_pool()
-        futures = [pool.submit(read_blobs, g) for g in groups]
-        rounds = (f.result() for f in futures)
-    else:
-        rounds = (read_blobs(g) for g in groups)
+    ks = list(range(len(plans)))
+    groups = [ks[i:i + RUN_GROUP] for i in range(0, len(ks), RUN_GROUP)]
+
+    def one(k: int, raw: bytes) -> list[bytes]:
+        r, (lo, hi), (c0, c1, a, _) = readers[k], spans[k], plans[k]
+        try:
+            recs = decode_run(raw, a, r.chunk_begin[c0:c1 + 1])
+        except ValueError as e:
+            raise RuntimeError(f"chunks at bytes {a}.. are damaged: {e}") from e
+        first = int(r.chunk_first[c0])
+        return recs[lo - first:hi - first]
+
+    def round_(group: list[int]) -> list[list[bytes]]:
+        by_file: dict[int, list[int]] = {}  # a round's spans of one file: touching ones share a GET
+        for k in group:
+            by_file.setdefault(id(readers[k]), []).append(k)
+        files = list(by_file.values())
+        raws = read_blobs([(readers[ks[0]].blob, [(plans[k][2], plans[k][3] - plans[k][2]) for k in ks])
+                           for ks in files], overfetch=0)
+        got = {k: raw for ks, data in zip(files, raws) for k, raw in zip(ks, data)}
+        return [one(k, got[k]) for k in group]
+
+    if len(groups) <= 1:
+        return [recs for g in groups for recs in round_(g)]
+    pool = _fetch_pool()
+    futures = [pool.submit(round_, g) for g in groups]
     out: list[list[bytes]] = []
     try:
-        for raws in rounds:
-            for (raw,) in raws:
-                k = len(out)
-                r, (lo, hi), (c0, c1, a, _) = readers[k], spans[k], plans[k]
-                try:
-                    recs = decode_run(raw, a, r.chunk_begin[c0:c1 + 1])
-                except ValueError as e:
-                    raise RuntimeError(f"chunks at bytes {a}.. are damaged: {e}") from e
-                first = int(r.chunk_first[c0])
-                out.append(recs[lo - first:hi - first])
+        for f in futures:
+            out.extend(f.result())
     finally:
-        if len(groups) > 1:
-            for f in futures:
-                f.cancel()
+        for f in futures:
+            f.cancel()
     return out
 
 
