@@ -458,3 +458,24 @@ def test_native_engines_get_their_runners_share_of_the_cores(monkeypatch):
             assert set(runner.imap(_native_threads, range(6))) == {share}, runner
         finally:
             runner.close()
+
+
+def _storage_endpoint(_: int) -> str:
+    return os.environ.get("ZEPHON_TEST_ENDPOINT", "unset")
+
+
+def test_workers_take_the_consumers_environment_not_the_fork_servers():
+    """A fork server's environment is frozen when it first starts; a worker must see the one its
+    consumer has when it starts the worker (an object store's endpoint may have changed)."""
+    saved = os.environ.get("ZEPHON_TEST_ENDPOINT")
+    try:
+        os.environ["ZEPHON_TEST_ENDPOINT"] = "http://127.0.0.1:1"
+        with Processes(1, start_method="forkserver") as first:  # starts the fork server (if not yet)
+            assert list(first.imap(_storage_endpoint, [0])) == ["http://127.0.0.1:1"]
+        os.environ["ZEPHON_TEST_ENDPOINT"] = "http://127.0.0.1:2"
+        with Processes(1, start_method="forkserver") as second:
+            assert list(second.imap(_storage_endpoint, [0])) == ["http://127.0.0.1:2"]
+    finally:
+        os.environ.pop("ZEPHON_TEST_ENDPOINT", None)
+        if saved is not None:
+            os.environ["ZEPHON_TEST_ENDPOINT"] = saved

@@ -210,8 +210,8 @@ class Processes:
         with contextlib.nullcontext() if with_main else _main_not_imported():
             for i in range(self.workers):
                 parent, child = ctx.Pipe(duplex=True)  # a socketpair: it can carry descriptors
-                proc = ctx.Process(target=worker_main, args=(child, i, os.getpid(), share), daemon=True,
-                                   name=f"zephon-worker-{i}")
+                proc = ctx.Process(target=worker_main, args=(child, i, os.getpid(), share, dict(os.environ)),
+                                   daemon=True, name=f"zephon-worker-{i}")
                 proc.start()
                 child.close()
                 self._workers.append(_Worker(proc, parent, fd_socket(parent)))

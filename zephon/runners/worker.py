@@ -29,14 +29,23 @@ from zephon.runners.transport import fd_socket, map_fd, pack, recv_fd, send_fd
 
 
 def worker_main(conn: mpc.Connection, index: int, consumer: int | None = None,
-                native_threads: int | None = None) -> None:
+                native_threads: int | None = None, environ: dict[str, str] | None = None) -> None:
     """A worker's life: serve `conn` until told to stop or the consumer is gone.
+
+    `environ`: the consumer's environment when it started the worker. A fork server's children
+    inherit the fork server's, frozen when it first started: without this, a worker would use an
+    object-store endpoint or credential the consumer has since changed (seen in the test suite:
+    a fork server started under one test's SeaweedFS sent later tests' workers to it after it
+    had stopped).
 
     `native_threads`: the cores this worker's share is; native thread pools (Rust `tokenizers`'
     rayon pool) are sized to it, so that n workers do not each spin a pool as large as the
     machine (measured: two workers with a two-thread pool each ran Tokenize at 1.7M tokens/s,
     with one thread each at 2.8M, on two cores).
     """
+    if environ is not None and environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
     if native_threads is not None:
         _limit_native_threads(native_threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
