@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import multiprocessing
 import os
 import random
 import threading
@@ -97,9 +98,13 @@ def settings() -> tuple[tuple[str, str], ...]:
 
 def adopt(values: tuple[tuple[str, str], ...]) -> None:
     """Sets the storage variables this process lacks (never overrides one it has): a worker
-    started by a fork server that predates them reaches the same store as its parent, under
-    the same retry policy."""
-    missing = [(k, v) for k, v in values if k not in os.environ]
+    started by a fork server that predates them reaches the same store as its parent. In a
+    child process (a runner's or a DataLoader's worker) the retry policy the blob carries wins
+    over the environment: it is the opening process's, `configure()` included, while the
+    child's environment is a copy of that process's variables without its overrides."""
+    child = multiprocessing.parent_process() is not None
+    missing = [(k, v) for k, v in values
+               if k not in os.environ or (child and k.startswith("ZEPHON_STORAGE_") and os.environ[k] != v)]
     if missing:
         os.environ.update(missing)
         if any(k.startswith("ZEPHON_STORAGE_") for k, _ in missing):
