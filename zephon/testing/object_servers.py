@@ -34,6 +34,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports: held together while chosen, so no two are the same (one at a time,
+    the kernel may hand out a port just released)."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
 @dataclass
 class Server:
     name: str
@@ -130,24 +145,43 @@ def _wait(server: Server, probe: str, timeout: float, ok_codes: tuple[int, ...] 
         except OSError as e:
             last = str(e)
         time.sleep(0.1)
-    server.stop()
-    with open(server.log, errors="replace") as f:
+    exited = server.proc.poll() is not None
+    with open(server.log, errors="replace") as f:  # before stop(), which deletes the directory
         tail = f.read()[-2000:]
-    raise RuntimeError(f"{server.name} did not start within {timeout} s ({last}); its log:\n{tail}")
+    server.stop()
+    why = "exited" if exited else f"did not start within {timeout} s"
+    raise (_Exited if exited else RuntimeError)(f"{server.name} {why} ({last}); its log:\n{tail}")
+
+
+class _Exited(RuntimeError):
+    """The server process ended while starting: most often a port taken between choosing it and
+    the server binding it (`start_seaweedfs` then tries other ports)."""
 
 
 def start_seaweedfs(timeout: float = 60.0) -> Server:
-    """`weed mini` with S3 on a free port; credentials ACCESS_KEY / SECRET_KEY."""
+    """`weed mini` with S3 on a free port; credentials ACCESS_KEY / SECRET_KEY. It binds 13
+    ports, chosen free but released before it binds them; a start that loses one of them to
+    another process is tried again on other ports (twice at most)."""
+    for attempt in range(3):
+        try:
+            return _start_seaweedfs(timeout)
+        except _Exited:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_seaweedfs(timeout: float) -> Server:
     work = tempfile.mkdtemp(prefix="zephon-weed-")
     config = os.path.join(work, "s3.json")
     with open(config, "w") as f:
         json.dump({"identities": [{"name": "zephon", "credentials": [
             {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
-    ports = {k: free_port() for k in (
-        "master.port", "master.port.grpc", "filer.port", "filer.port.grpc", "volume.port",
-        "volume.port.grpc", "s3.port", "s3.port.grpc", "webdav.port", "admin.port",
-        "admin.port.grpc", "debug.port", "s3.debug.port")}
+    names = ("master.port", "master.port.grpc", "filer.port", "filer.port.grpc", "volume.port",
+             "volume.port.grpc", "s3.port", "s3.port.grpc", "webdav.port", "admin.port",
+             "admin.port.grpc", "debug.port", "s3.debug.port")
+    ports = dict(zip(names, free_ports(len(names))))
     data = os.path.join(work, "data")
     os.makedirs(data)
     args = [_binary("weed"), "mini", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
