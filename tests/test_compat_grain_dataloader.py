@@ -14,7 +14,9 @@ import pytest
 from _grain import Jitter, quiet_remainder_warning, same_all  # noqa: F401 - an autouse fixture
 from absl import flags
 
+import zephon
 import zephon.compat.grain as zg
+from zephon.runners import threads
 
 
 @pytest.mark.parametrize("count,drop,shuffle,epochs,batch,sampler_sharded", [
@@ -57,6 +59,66 @@ def test_dataloader_random_maps_share_graines_per_record_generator_through_a_fil
         assert same_all(grain.DataLoader(data_source=src, sampler=s, operations=ops, shard_options=opts),
                         zg.DataLoader(data_source=src, sampler=s, operations=ops, shard_options=opts),
                         full_only=True) == 8
+
+
+class NotMod3(grain.transforms.Filter):
+    def filter(self, x):
+        return x % 3 != 0
+
+
+def _filtering_loader(**kw):
+    opts = grain.sharding.ShardOptions(0, 1)
+    s = grain.samplers.IndexSampler(60, shard_options=opts, shuffle=True, num_epochs=1, seed=4)
+    return zg.DataLoader(data_source=grain.sources.RangeDataSource(0, 60, 1), sampler=s,
+                         operations=[NotMod3(), grain.transforms.Batch(4, drop_remainder=True)],
+                         shard_options=opts, **kw)
+
+
+def test_dataloader_extras_are_where_and_how_and_the_old_keywords_warn_for_one_version() -> None:
+    """Zephon's extras of the Grain DataLoader are `where=`/`how=`; the old `rank=`, `world=`,
+    `runner=`, `read_ahead=` give the same batches with a DeprecationWarning naming the new form;
+    `How(read_ahead=None)` is the Grain transforms' default, an explicit value wins."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new form warns about nothing
+        new = _worker_loader(zg, 0, where=zephon.Where(rank=1, world=2), how=zephon.How(runner=threads(2),
+                                                                                        read_ahead=9))
+        want = [b.tolist() for b in new]
+    with pytest.warns(DeprecationWarning, match=r"DataLoader\(rank=\.\.\., world=\.\.\., runner=\.\.\., "
+                                                 r"read_ahead=\.\.\.\) is deprecated and will be removed in the next "
+                                                 r"version; use zephon\.compat\.grain\.DataLoader\("
+                                                 r"where=zephon\.Where\(rank=\.\.\., world=\.\.\.\), "
+                                                 r"how=zephon\.How\(runner=\.\.\., "
+                                                 r"read_ahead=\.\.\.\)\)"):
+        old = _worker_loader(zg, 0, rank=1, world=2, runner=threads(2), read_ahead=9)
+    assert [b.tolist() for b in old] == want == [b.tolist() for b in _worker_loader(zg, 0)] != []
+    assert new.where.rank_world() == old.where.rank_world() == (1, 2)  # the shard's, by default
+    assert _worker_loader(zg, 0).where.rank_world() == (1, 2)
+    assert new.loader().read_ahead == 9
+    assert _worker_loader(zg, 0).loader().read_ahead == zg.GrainTransform.read_ahead_rows  # the one default
+    with pytest.warns(DeprecationWarning, match="READ_AHEAD is deprecated"):
+        assert zg.GrainTransform.read_ahead_rows == zg.READ_AHEAD
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['mesh_dims'\]"):
+        _worker_loader(zg, 0, mesh_dims=("data",))
+    with pytest.raises(TypeError, match="not both"):
+        _worker_loader(zg, 0, rank=1, where=zephon.Where(rank=1))
+    # its pipeline is one zephon.Pipeline; a filtering chain is collated by CollatingLoader, a thin
+    # layer over one zephon.Loader
+    dl = _filtering_loader()
+    assert isinstance(dl.pipeline, zephon.Pipeline) and dl.pipeline.loader_cls is zg.CollatingLoader
+    assert dl.pipeline.describe()["plan_fingerprint"] == dl.plan.fingerprint()
+    assert zg.RECORD in next(dl.pipeline.replace(loader_cls=None).loader()).data  # a Loader alone: records
+    cl = dl.loader()
+    assert isinstance(cl, zg.CollatingLoader) and isinstance(cl.loader, zephon.Loader)
+    first = next(cl)
+    assert sorted(first.data) == [zg.VALUE] and first.data[zg.VALUE].dtype.kind == "i"  # columns, not records
+    assert len(first.data[zg.VALUE]) == 4 and all(v % 3 for v in first.data[zg.VALUE])
+    state = cl.state()
+    second = next(cl)
+    again = dl.loader()
+    again.restore(state)
+    assert again.step == cl.step - 1 and next(again).data[zg.VALUE].tolist() == second.data[zg.VALUE].tolist()
 
 
 WORKER_ORDER = {

@@ -73,3 +73,42 @@ def test_backends_accept_a_grain_pipeline() -> None:
     tl = z.shard(1, 2).to_torch()
     first = next(iter(z.to_grain()))
     assert np.array_equal(next(iter(tl))["x"].numpy(), first["x"][8:])
+
+
+def twice(x):
+    return {"x": x * 2}
+
+
+def test_a_dataset_is_one_zephon_pipeline_and_its_loader_takes_where_and_how() -> None:
+    """`Dataset.pipeline()` is the dataset's `zephon.Pipeline` (what `explain`/`verify` print);
+    `loader(where, how)` runs it — the dataset's `shard()`/`runner()`/`read_ahead()` by default —
+    and the old `loader(rank=, world=)` gives the same batches with a DeprecationWarning."""
+    import warnings
+
+    import zephon
+    from zephon.runners import threads
+
+    src = grain.sources.RangeDataSource(0, 200, 1)
+    ds = zg.Dataset.source(src).shuffle(seed=2).repeat().map(twice).batch(16).lanes(4)
+    pipe = ds.pipeline()
+    assert isinstance(pipe, zephon.Pipeline) and pipe.dataset is ds and pipe.loader_cls is zg.CollatingLoader
+    assert pipe.plan is ds.plan and pipe.describe()["plan_fingerprint"] == ds.plan.fingerprint()
+    assert [o["name"] for o in pipe.describe()["ops"]] == ["grain.Map(twice)", "grain.Collate"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new form warns about nothing
+        new = ds.loader(zephon.Where(rank=1, world=2), zephon.How(runner=threads(2), read_ahead=32))
+        want = [next(new).data["x"].tolist() for _ in range(3)]
+        assert new.read_ahead == 32 and new.rank == 1
+        sharded = ds.shard(1, 2).read_ahead(32).loader()  # the dataset's own knobs are the defaults
+        assert [next(sharded).data["x"].tolist() for _ in range(3)] == want
+        assert sharded.read_ahead == 32 and ds.loader().read_ahead == zg.GrainTransform.read_ahead_rows
+    with pytest.warns(DeprecationWarning, match=r"Dataset\.loader\(rank=\.\.\., world=\.\.\.\) is deprecated and "
+                                                 r"will be removed in the next version; use Dataset\.loader\("
+                                                 r"zephon\.Where\(rank=\.\.\., world=\.\.\.\)\)"):
+        old = ds.loader(rank=1, world=2)
+    assert [next(old).data["x"].tolist() for _ in range(3)] == want
+    g = grain.MapDataset.source(src).shuffle(seed=2).repeat().map(twice).batch(16)
+    halves = [b["x"][8:].tolist() for b in [g[0], g[1], g[2]]]  # rank 1 of 2: the second half
+    assert want == halves
+    with pytest.raises(zephon.PlanError, match=r"pipeline\(\) needs the pipeline to end in the plan's global batch"):
+        zg.Dataset.source(src).batch(4).map(twice).pipeline()

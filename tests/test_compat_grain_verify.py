@@ -8,6 +8,7 @@ import grain
 import numpy as np
 from _grain import quiet_remainder_warning  # noqa: F401 - an autouse fixture
 
+import zephon
 import zephon.compat.grain as zg
 from zephon.verify import run_fingerprints
 
@@ -18,5 +19,5 @@ def test_grain_is_one_more_column_of_the_verify_matrix() -> None:
     z = z.lanes(8).batch(32)
     want = zg.grain_fingerprints(z.to_grain(), 6, lanes=8)
     for world in (1, 2, 4, 8):
-        loaders = [z.loader(rank=r, world=world) for r in range(world)]
+        loaders = [z.loader(zephon.Where(rank=r, world=world)) for r in range(world)]
         assert run_fingerprints(loaders, 6) == want

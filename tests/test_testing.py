@@ -30,6 +30,7 @@ from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError
 from zephon.sources.memory import ArraySource
 from zephon.testing import Config, DeterminismError, FactoryError, Pipeline, Segment
+from zephon.testing.pipeline import as_pipeline, pipeline_from_plan
 from zephon.verify import run_fingerprints
 
 pytest_plugins = ["pytester"]
@@ -100,7 +101,7 @@ def rows_by_lane(factory, world: int, steps: int, runner: str = "inline", builds
     """Per step {lane: {field: rows}} of `world` ranks (the factory is called with world=)."""
     b = zt.Builder(factory)
     pipe = b(world, 0)
-    loaders = [pipe.loader(rank=r, world=world, runner=zt._runner(runner)) for r in range(world)]
+    loaders = [pipe.loader(z.Where(rank=r, world=world), z.How(runner=zt._runner(runner))) for r in range(world)]
     out = []
     for _ in range(steps):
         step = {}
@@ -270,7 +271,7 @@ def test_every_emitter_writes_the_same_document_and_restores_it():
     from zephon.backends.torch import TorchLoader, ZephonDataLoader, ZephonIterableDataset
 
     p = good()
-    ops, steps = tuple(p.transforms), 5
+    ops, steps = p.ops, 5
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     ref = [next(l) for l in [p.loader()] for _ in range(steps + 2)]
 
@@ -403,8 +404,8 @@ def test_micro_batches_concatenate_to_the_batch_on_every_emitter():
     from zephon.backends.torch import TorchBatch, TorchLoader, ZephonDataLoader, ZephonIterableDataset
 
     p = good()
-    ops = tuple(p.transforms)
-    batch = next(p.loader(rank=1, world=2))
+    ops = p.ops
+    batch = next(p.loader(z.Where(rank=1, world=2)))
     for n in (1, 2, 4, 16):
         micro = znp.micro_batches(batch, n)
         assert len(micro) == n and all(m["x"].shape == (16 // n, 4) for m in micro)
@@ -468,18 +469,24 @@ def test_factories_in_every_form_and_their_errors(tmp_path):
     import zephon.compat.grain as zg
 
     p = plan()
-    assert Pipeline.of((p, source())).plan is p
-    assert Pipeline.of({"plan": p, "sources": source(), "seed": 4}).seed == 4
+    assert as_pipeline((p, source())).plan is p
+    assert as_pipeline({"plan": p, "sources": source(), "seed": 4}).seed == 4
     ds = zg.Dataset.source(list(range(100))).shuffle(seed=1).repeat().batch(8).lanes(4)
-    assert Pipeline.of(ds).dataset is ds
+    grain_pipe = as_pipeline(ds)
+    assert grain_pipe.dataset is ds and grain_pipe.loader_cls is zg.CollatingLoader
+    assert grain_pipe.describe() == ds.pipeline().describe()  # one JSON form (explain, verify)
+    assert grain_pipe.describe()["plan_fingerprint"] == ds.plan.fingerprint()
     zt.assert_elastic(lambda: ds, degrees=(1, 2, 4), steps=4)
-    plan_only = Pipeline.of(p)  # a plan alone: its rows' (source, record)
+    plan_only = as_pipeline(p)  # a plan alone: its rows' (source, record)
+    assert plan_only.describe() == pipeline_from_plan(p).describe()
     rows = next(plan_only.loader()).data
     assert np.array_equal(rows["record"], p.refs(0).record)
     with pytest.raises(FactoryError, match="returned int"):
         zt.verify(lambda: 3, [], 2)
     with pytest.raises(FactoryError, match="without .batch"):
-        Pipeline.of(zg.Dataset.source(list(range(10))))
+        as_pipeline(zg.Dataset.source(list(range(10))))
+    with pytest.raises(FactoryError, match=r"unknown keys \['transform'\]; use plan, sources, ops"):
+        as_pipeline({"plan": p, "sources": source(), "transform": []})
 
     def broken():
         raise KeyError("tokenizer.json")
@@ -497,6 +504,38 @@ def test_factories_in_every_form_and_their_errors(tmp_path):
     assert zt.load_factory(f"{f}:pipeline")().plan == plan()
     assert zt.factory_spec(good) == "test_testing:good"
 
+
+
+def test_testing_pipeline_is_zephon_pipeline_and_its_old_spellings_warn_for_one_version():
+    """zephon.testing.Pipeline is zephon.Pipeline; `transforms=` (ops' old name), reading
+    `.transforms` and `loader(rank=, world=, runner=)` still work, each with a DeprecationWarning
+    naming the new form, and give what the new form gives."""
+    import warnings
+
+    assert Pipeline is z.Pipeline
+    keep = z.Filter(keep_not_7, batched=True, name="keep_not_7")
+    new = Pipeline(plan(), source(), [keep])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spellings warn about nothing
+        want = [next(l).data["id"].tolist() for l in [new.loader(z.Where(rank=1, world=2))] for _ in range(3)]
+    with pytest.warns(DeprecationWarning, match=r"transforms=.*deprecated and will be removed in the next version; "
+                                                 r"use zephon\.Pipeline\(plan, sources, ops\)"):
+        old = Pipeline(plan(), source(), transforms=[keep])
+    assert old.ops == new.ops and old.fingerprint() == new.fingerprint()
+    with pytest.warns(DeprecationWarning, match=r"pipeline\.transforms is deprecated .* use pipeline\.ops"):
+        assert old.transforms == new.ops
+    with pytest.warns(DeprecationWarning, match=r"pipeline\.loader\(rank=\.\.\., world=\.\.\.\) is deprecated "
+                                                 r".* use pipeline\.loader\(where=zephon\.Where\(rank=\.\.\., "
+                                                 r"world=\.\.\.\)\)"):
+        loader = old.loader(rank=1, world=2)
+    assert [next(loader).data["id"].tolist() for _ in range(3)] == want
+    with pytest.warns(DeprecationWarning, match=r"transforms"):  # a factory's dict, with the old key
+        assert as_pipeline({"plan": plan(), "sources": source(), "transforms": [keep]}).ops == new.ops
+    with pytest.raises(TypeError, match="both ops and transforms"):
+        Pipeline(plan(), source(), [keep], transforms=[keep])
+    with pytest.raises(TypeError, match=r"where=zephon\.Where.* or the old keywords \['rank'\], not both"):
+        new.loader(z.Where(world=2), rank=1)
+    assert len(want[0]) == 16 and 7 not in [i % 10 for row in want for i in row]
 
 # --- the pytest plugin ---------------------------------------------------------------------------
 

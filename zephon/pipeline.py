@@ -28,6 +28,7 @@ Terms: docs/glossary.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import warnings
@@ -45,7 +46,7 @@ if TYPE_CHECKING:  # annotations only: the runners and the loader import the cor
     from zephon.runners.base import Runner
     from zephon.sources.base import RecordSource
 
-__all__ = ["How", "Pipeline", "Where", "split_old_form"]
+__all__ = ["How", "Pipeline", "Where", "split_old_form", "split_old_options"]
 
 AllGather = Callable[[list[int]], list[list[int]]]
 
@@ -83,7 +84,7 @@ class Pipeline:
 
     plan: Any
     sources: Mapping[int, RecordSource] | Any
-    ops: tuple[Any, ...] = ()
+    ops: Sequence[Any] = ()  # any sequence; held as a tuple
     per_source: Mapping[int, tuple[Any, ...]] | None = None
     seed: int = 0
     #: a Grain-compatible pipeline's own loader class and `Dataset` (`zephon.compat.grain`)
@@ -103,6 +104,13 @@ class Pipeline:
         object.__setattr__(self, "ops", tuple(self.ops))
         if self.per_source is not None:
             object.__setattr__(self, "per_source", {k: tuple(v) for k, v in self.per_source.items()})
+
+    @property
+    def transforms(self) -> Sequence[Any]:
+        """Deprecated: the old name of `ops` (zephon.testing.Pipeline's third field)."""
+        warnings.warn(_TRANSFORMS_DEPRECATED.format("pipeline.transforms", "pipeline.ops"), DeprecationWarning,
+                      stacklevel=2)
+        return self.ops
 
     def lane_ops(self) -> tuple[Any, ...]:
         """The operators every lane runs: a `PerSource` of `per_source` first, then `ops`."""
@@ -128,12 +136,41 @@ class Pipeline:
         return dataclasses.replace(self, **changes)
 
     def loader(self, where: Where | None = None, how: How | None = None, **options: Any) -> Loader:
-        """A numpy `zephon.Loader` of this pipeline (its own loader class for Grain pipelines)."""
+        """A numpy `zephon.Loader` of this pipeline (its own loader class for Grain pipelines).
+
+        The old `loader(rank=, world=, runner=, ...)` (zephon.testing.Pipeline's) works for this
+        version with a DeprecationWarning naming the new form."""
+        where, how, options = split_old_options("pipeline.loader", where, how, options)
         if self.loader_cls is not None:
             return self.loader_cls(self, where=where, how=how, **options)
         from zephon.exec.loader import Loader
 
         return Loader(self, where=where, how=how, **options)
+
+
+_TRANSFORMS_DEPRECATED = ("{} is deprecated and will be removed in the next version; use {} (ops is the old "
+                          "transforms' new name).")
+
+
+def _accept_transforms(init: Callable[..., None]) -> Callable[..., None]:
+    """The dataclass's `__init__`, also taking `transforms=` (the old name of `ops`, as
+    `zephon.testing.Pipeline(plan, sources, transforms=...)` spelled it) for one version."""
+
+    @functools.wraps(init)
+    def __init__(self: Pipeline, *args: Any, transforms: Any = None, **kwargs: Any) -> None:
+        if transforms is not None:
+            if len(args) > 2 or "ops" in kwargs:
+                raise TypeError("Pipeline() got both ops and transforms (its old name); pass ops only.")
+            warnings.warn(_TRANSFORMS_DEPRECATED.format("Pipeline(plan, sources, transforms=...)",
+                                                        "zephon.Pipeline(plan, sources, ops)"),
+                          DeprecationWarning, stacklevel=2)
+            kwargs["ops"] = transforms
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+Pipeline.__init__ = _accept_transforms(Pipeline.__init__)  # type: ignore[method-assign]
 
 
 def _non_negative(v: Any, what: str, minimum: int = 0) -> int:
@@ -253,3 +290,23 @@ def split_old_form(entry: str, plan: Any, sources: Any, transforms: Any, options
                   f"version; use {new}.", DeprecationWarning, stacklevel=stacklevel)
     pipe = Pipeline(plan, sources, tuple(transforms or ()), **pk)
     return pipe, Where(**wk), How(**hk), opts
+
+
+def split_old_options(entry: str, where: Where | None, how: How | None, options: dict[str, Any],
+                      *, stacklevel: int = 3) -> tuple[Where | None, How | None, dict[str, Any]]:
+    """The option-group keywords of an old call form (`entry(..., rank=, runner=, ...)`) folded
+    into `where` and `how`, with one DeprecationWarning naming the new form; returns `(where,
+    how, rest)`, `rest` being what belongs to neither group (e.g. `start_step`)."""
+    wk = {k: v for k, v in options.items() if k in _WHERE_KEYS}
+    hk = {k: v for k, v in options.items() if k in _HOW_KEYS}
+    if not wk and not hk:
+        return where, how, options
+    if (wk and where is not None) or (hk and how is not None):
+        raise TypeError(f"{entry}(): pass where=zephon.Where(...) / how=zephon.How(...) or the old keywords "
+                        f"{sorted({**wk, **hk})}, not both")
+    new = ", ".join([f"where=zephon.Where({', '.join(f'{k}=...' for k in wk)})"] * bool(wk)
+                    + [f"how=zephon.How({', '.join(f'{k}=...' for k in hk)})"] * bool(hk))
+    warnings.warn(f"{entry}({', '.join(f'{k}=...' for k in {**wk, **hk})}) is deprecated and will be removed in "
+                  f"the next version; use {entry}({new}).", DeprecationWarning, stacklevel=stacklevel)
+    rest = {k: v for k, v in options.items() if k not in wk and k not in hk}
+    return (Where(**wk) if wk else where), (How(**hk) if hk else how), rest

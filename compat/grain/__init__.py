@@ -41,13 +41,17 @@ One concept a module: `records` (Grain records <-> columns), `sources`, `transfo
 `dataloader` (`DataLoader` + `IndexSampler`), `verify` (`grain_fingerprints`, `concat_shards`),
 `order` (Grain's record order as plan nodes), `cipher` (Grain's index_shuffle, vectorised) and
 `experimental` (Grain's packing datasets).
+
+`Dataset.pipeline()` and `DataLoader.pipeline` are the one `zephon.Pipeline` value of a
+Grain-shaped pipeline; its loaders take `where=zephon.Where(...)` and `how=zephon.How(...)`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import experimental
 from .cipher import index_shuffle
-from .compile import READ_AHEAD
 from .dataloader import DataLoader
 from .dataset import Dataset
 from .experimental import BestFitPackIterDataset, ConcatThenSplitIterDataset, FirstFitPackIterDataset
@@ -87,6 +91,7 @@ from .transforms import (
     GrainMap,
     GrainMapWithIndex,
     GrainRandomMap,
+    GrainTransform,
     LaneOp,
     grain_map_rng,
     with_collate,
@@ -96,7 +101,6 @@ from .warn import GrainCompatWarning
 
 __all__ = [
     "GRAIN_INFINITE",
-    "READ_AHEAD",
     "RECORD",
     "RNG",
     "VALUE",
@@ -121,6 +125,7 @@ __all__ = [
     "GrainSampler",
     "GrainShuffle",
     "GrainSource",
+    "GrainTransform",
     "IterDataset",
     "Iterator",
     "LaneOp",
@@ -145,3 +150,14 @@ __all__ = [
     "unflatten_columns",
     "with_collate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "READ_AHEAD":  # the Grain layer's read-ahead, now its transforms' hint
+        import warnings
+
+        warnings.warn("zephon.compat.grain.READ_AHEAD is deprecated and will be removed in the next version; "
+                      "use zephon.How(read_ahead=...) (the default for Grain transforms is "
+                      "GrainTransform.read_ahead_rows).", DeprecationWarning, stacklevel=2)
+        return GrainTransform.read_ahead_rows
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Grain-shaped pipeline graph -> Zephon plan and transforms (and back to real Grain).
 
-A `Dataset` records the steps a Grain user writes as a small graph of `_Op` nodes, mirroring the
+A `Dataset` records the steps a Grain user writes as a small graph of `GraphOp` nodes, mirroring the
 nodes Grain would create. `compile_pipeline` turns it into a Zephon plan (`Batch(Lanes(...))`)
 and a chain of row operators: in `order="grain"` shuffles, mixes and Grain indices become the
 Grain-order nodes of `order`, so the plan names Grain's records; in `order="zephon"` Zephon's own
@@ -43,11 +43,6 @@ log = logging.getLogger("zephon.compat.grain")
 
 Order = str  # "grain" | "zephon"
 
-READ_AHEAD = 2048
-"""Rows a compat loader reads (and transforms) ahead in one group. Grain records pass through
-Python transforms record by record, so large group reads buy little and cost latency: the first
-batch, and every restore, waits for the whole group."""
-
 def _is_lane_op(t: Any) -> bool:
     """A Zephon row operator (Tokenize, zephon.Map/Filter/FlatMap/RandomMap, any Transform) that
     is not one of this package's own transforms."""
@@ -55,17 +50,17 @@ def _is_lane_op(t: Any) -> bool:
 
 
 @dataclass(frozen=True, eq=False)
-class _Op:
+class GraphOp:
     """One node of the Grain-shaped pipeline; mirrors the node Grain would create."""
 
     kind: str
-    parents: tuple[_Op, ...] = ()
+    parents: tuple[GraphOp, ...] = ()
     args: Mapping[str, Any] = field(default_factory=dict)
 
     def default_seed(self) -> int | None:
         """Grain's `_default_seed`: a SeedSequence over (seed, depth) of the nearest `.seed()`s."""
         agg: list[int] = []
-        todo: list[tuple[_Op, int]] = [(self, 0)]
+        todo: list[tuple[GraphOp, int]] = [(self, 0)]
         while todo:
             node, depth = todo.pop(0)
             if node.kind == "seed":
@@ -76,21 +71,25 @@ class _Op:
             return None
         return int(np.random.SeedSequence(agg).generate_state(1, dtype=np.uint32)[0])
 
-    def upstream(self) -> Iterable[_Op]:
+    def upstream(self) -> Iterable[GraphOp]:
         yield self
         for p in self.parents:
             yield from p.upstream()
 
 
 @dataclass(frozen=True)
-class _Config:
+class DatasetConfig:
+    """A `Dataset`'s Zephon knobs: the record order, the canonical lanes, and where and how its
+    `loader()` runs by default (`shard(rank, world)`, `runner(r)`, `read_ahead(rows)`; None:
+    the loader's own default)."""
+
     order: Order = "grain"
     lanes: int | None = None
     mapping: LaneMapping = "contiguous"
     rank: int | None = None  # None: not sharded (rank 0 of 1; backends may derive their own)
     world: int | None = None
     runner: Runner | None = None
-    read_ahead: int = READ_AHEAD
+    read_ahead: int | None = None
 
 
 @dataclass
@@ -114,7 +113,7 @@ class _Built:
     sources: tuple[int, ...] = ()
 
 
-def _build(op: _Op, ctx: _Ctx) -> _Built:
+def _build(op: GraphOp, ctx: _Ctx) -> _Built:
     k, a = op.kind, op.args
     if k == "source":
         sid = len(ctx.sources)
@@ -213,7 +212,9 @@ def _nodes(node: Node) -> Iterable[Node]:
 
 
 @dataclass(frozen=True)
-class _Compiled:
+class Compiled:
+    """What `compile_pipeline` makes of a pipeline graph: a `zephon.Pipeline`'s parts."""
+
     plan: Batch
     stream: Node  # the Grain-ordered element stream (before lanes are dealt)
     sources: dict[int, Any]
@@ -224,7 +225,7 @@ def _largest_divisor(n: int, upto: int) -> int:
     return max(d for d in range(1, upto + 1) if n % d == 0)
 
 
-def compile_pipeline(op: _Op, config: _Config) -> _Compiled:
+def compile_pipeline(op: GraphOp, config: DatasetConfig) -> Compiled:
     """The plan, element stream, sources and transforms of the pipeline ending in `op`."""
     while op.kind == "to_iter_dataset" and op.parents and op.parents[0].kind == "batch":
         op = op.parents[0]
@@ -272,10 +273,10 @@ def compile_pipeline(op: _Op, config: _Config) -> _Compiled:
     # Grain's end (partial batches, drop_remainder) is the tail's: the plan drops
     plan = Batch(stream.lanes(lanes, config.mapping), rows, schedule, remainder="drop")
     transforms = with_collate(built.chain) if size is not None else built.chain
-    return _Compiled(plan, built.node, dict(enumerate(ctx.sources)), transforms)
+    return Compiled(plan, built.node, dict(enumerate(ctx.sources)), transforms)
 
 
-def to_grain(op: _Op, memo: dict[int, Any]) -> Any:
+def to_grain(op: GraphOp, memo: dict[int, Any]) -> Any:
     if id(op) in memo:
         return memo[id(op)]
     k, a = op.kind, op.args

@@ -2,10 +2,13 @@
 
 The sampler's order is the plan (`order.GrainSampler`, laid out batch-major over shards and
 workers by `order.GrainLoaderOrder`); Grain's operations become the transforms of `transforms`.
+The loader takes Grain's arguments; Zephon's own are `lanes` (the plan's lane count) and the
+option groups `where=zephon.Where(rank=, world=)` and `how=zephon.How(runner=, read_ahead=)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,11 +17,10 @@ import grain
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
 from zephon.ops.base import Transform
+from zephon.pipeline import How, Pipeline, Where, split_old_options
 from zephon.plan import Node
-from zephon.runners.base import Runner
 from zephon.verify import run_fingerprints
 
-from .compile import READ_AHEAD
 from .iterator import CollatingLoader, Iterator
 from .order import ContiguousBatches, GrainIndex, GrainLoaderOrder, GrainSampler
 from .sources import GrainSource
@@ -30,6 +32,9 @@ def _shard_tuple(opts: Any) -> tuple[int, int, bool]:
     return int(opts.shard_index), int(opts.shard_count), bool(opts.drop_remainder)
 
 
+_OLD_EXTRAS = ("rank", "world", "runner", "read_ahead")  # before where=/how=
+
+
 class DataLoader:
     """`grain.DataLoader` with an `IndexSampler`, on Zephon, with Grain's batches.
 
@@ -37,16 +42,27 @@ class DataLoader:
     each shard's batch, so this loader (rank = `shard_options.shard_index`) yields exactly the
     batches `grain.DataLoader` yields on that shard — including the different order Grain
     produces with `worker_count` > 0, where each worker batches its own slice. Zephon's own
-    parallelism is the `runner`; `worker_count` only selects which Grain order to reproduce.
-    `RandomMap` gets Grain's per-record generator `Philox(key=sampler_seed + index)`.
+    parallelism is `how=zephon.How(runner=...)`; `worker_count` only selects which Grain order to
+    reproduce. `RandomMap` gets Grain's per-record generator `Philox(key=sampler_seed + index)`.
+
+    Zephon's arguments: `lanes` (the plan's lane count, a multiple of the shard count: fix it for
+    runs that restore at another data-parallel degree), `where` (default: rank
+    `shard_options.shard_index` of `shard_count`) and `how` (runner, read-ahead, telemetry).
+    The old `rank=`, `world=`, `runner=`, `read_ahead=` keywords work for this version with a
+    DeprecationWarning naming the new form.
     """
 
     def __init__(self, *, data_source: Any, sampler: Any, operations: Sequence[Any] = (),
                  worker_count: int | None = 0, worker_buffer_size: int = 1,
                  shard_options: Any = None, read_options: Any = None, enable_profiling: bool = False,
-                 lanes: int | None = None, rank: int | None = None, world: int | None = None,
-                 runner: Runner | None = None, read_ahead: int = READ_AHEAD) -> None:
+                 lanes: int | None = None, where: Where | None = None, how: How | None = None,
+                 **old_form: Any) -> None:
         del worker_buffer_size, read_options, enable_profiling  # Grain tuning knobs; no effect on data
+        bad = set(old_form) - set(_OLD_EXTRAS)
+        if bad:
+            raise TypeError(f"DataLoader() got unexpected keyword arguments {sorted(bad)}")
+        where, how, _ = split_old_options("zephon.compat.grain.DataLoader", where, how, old_form)
+        where, how = where or Where(), how or How()
         if not isinstance(sampler, grain.samplers.IndexSampler):
             raise PlanError(f"{type(sampler).__name__} is not supported; Grain order is reproduced "
                             "for grain.samplers.IndexSampler.")
@@ -103,33 +119,34 @@ class DataLoader:
         if not identity:
             stream = GrainLoaderOrder(stream, count, per_shard, self.workers)
             stream = ContiguousBatches(stream, lanes, rows // lanes)
-        self.plan = stream.lanes(lanes).batch(rows, remainder="drop")  # Grain's end: its own
-        self.transforms = with_collate(tuple(transforms)) if self.batched else tuple(transforms)
-        self.sources = {0: GrainSource(data_source)}
-        self.rank = index if rank is None else rank
-        self.world = count if world is None else world
-        self.runner = runner
-        self.read_ahead = read_ahead
+        plan = stream.lanes(lanes).batch(rows, remainder="drop")  # Grain's end: its own
+        ops = with_collate(tuple(transforms)) if self.batched else tuple(transforms)
+        #: what this loader reads (plan, Grain source, Grain's operations as Zephon operators)
+        self.pipeline = Pipeline(plan, {0: GrainSource(data_source)}, ops,
+                                 loader_cls=CollatingLoader if self.batched else None)
+        self.plan = plan
+        #: where (default: the shard's rank of the shard count) and how the loader runs
+        self.where = dataclasses.replace(where, rank=index if where.rank is None else where.rank,
+                                         world=count if where.world is None else where.world)
+        self.how = how
 
-    def loader(self, *, rank: int | None = None, world: int | None = None) -> Loader:
-        cls = CollatingLoader if self.batched else Loader
-        return cls(self.plan, self.sources, self.transforms, rank=self.rank if rank is None else rank,
-                   world=self.world if world is None else world, runner=self.runner,
-                   read_ahead=self.read_ahead)
+    def loader(self, where: Where | None = None) -> Loader | CollatingLoader:
+        """The Zephon loader of this pipeline at `where` (default: this loader's)."""
+        return self.pipeline.loader(self.where if where is None else where, self.how)
 
     def __iter__(self) -> Any:
         b = self._tail_batch
         if b is not None:  # Grain's smaller last batch / batch_fn: batch the element stream
             ops = self.grain_args["operations"][:-1]
-            twin = DataLoader(**{**self.grain_args, "operations": ops}, runner=self.runner,
-                              read_ahead=self.read_ahead)
+            twin = DataLoader(**{**self.grain_args, "operations": ops}, how=self.how)
             return BatchStep(Iterator(twin.loader(), batched=False), b.batch_size, b.drop_remainder,
                              b.batch_fn)
         return Iterator(self.loader(), batched=self.batched)
 
     def fingerprints(self, steps: int, *, world: int | None = None) -> list[str]:
-        world = self.world if world is None else world
-        return run_fingerprints([self.loader(rank=r, world=world) for r in range(world)], steps)
+        """Step fingerprints of the first `steps` global batches, computed by `world` ranks."""
+        world = self.where.rank_world()[1] if world is None else world
+        return run_fingerprints([self.loader(Where(rank=r, world=world)) for r in range(world)], steps)
 
     def to_grain(self, shard_index: int | None = None) -> Any:
         """The real `grain.DataLoader` with the same arguments (optionally for another shard)."""

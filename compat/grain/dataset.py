@@ -1,6 +1,6 @@
 """`Dataset`: a Grain-shaped pipeline (`grain.MapDataset` spellings) that runs on Zephon.
 
-Each method records one step, as Grain would create one node (the graph of `compile._Op`);
+Each method records one step, as Grain would create one node (the graph of `compile.GraphOp`);
 `compile.compile_pipeline` turns the graph into a Zephon plan and transforms when the pipeline
 is first iterated, and the emitters (`loader`, `to_jax`, `to_torch`, `to_torch_dataset`) run it.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -21,12 +22,13 @@ from zephon.exec.loader import Loader
 from zephon.exec.steps import read_refs
 from zephon.ops.base import Accumulator, Operator, Transform, run_transforms
 from zephon.ops.pack import Pack
+from zephon.pipeline import How, Pipeline, Where
 from zephon.plan import Batch
 from zephon.plan import Mapping as LaneMapping
 from zephon.runners.base import Runner
 from zephon.verify import run_fingerprints
 
-from .compile import GRAIN_INFINITE, Order, _Compiled, _Config, _Op, compile_pipeline, row_ops, to_grain
+from .compile import GRAIN_INFINITE, Compiled, DatasetConfig, GraphOp, Order, compile_pipeline, row_ops, to_grain
 from .iterator import CollatingLoader, Iterator
 from .packing import pack_step
 from .pipeline import TailMixin
@@ -36,7 +38,7 @@ from .tail import TAIL_ITER, TAIL_ONLY
 _ITER_OPS = ("map", "filter", "random_map", "map_with_index", "to_iter_dataset", "batch", "seed",
              "pack", *TAIL_ONLY)
 
-_DEFAULT_CONFIG = _Config()  # frozen, so one shared default is safe
+_DEFAULT_CONFIG = DatasetConfig()  # frozen, so one shared default is safe
 
 
 class Dataset(TailMixin):
@@ -49,7 +51,7 @@ class Dataset(TailMixin):
     (data-parallel rank; rows of the global batch, not a slice of the data) and `runner(r)`.
     """
 
-    def __init__(self, op: _Op, config: _Config = _DEFAULT_CONFIG) -> None:
+    def __init__(self, op: GraphOp, config: DatasetConfig = _DEFAULT_CONFIG) -> None:
         self._op = op
         self._config = config
 
@@ -59,7 +61,7 @@ class Dataset(TailMixin):
         """Wraps a Grain data source, a sequence, or a Zephon `RecordSource`."""
         if order not in ("grain", "zephon"):
             raise PlanError(f"order must be 'grain' or 'zephon', got {order!r}")
-        return cls(_Op("source", (), {"source": source, "name": name}), _Config(order=order))
+        return cls(GraphOp("source", (), {"source": source, "name": name}), DatasetConfig(order=order))
 
     @classmethod
     def range(cls, start: int, stop: int | None = None, step: int = 1, *,
@@ -90,7 +92,6 @@ class Dataset(TailMixin):
                             "weights (Grain's proportional interleave).")
         if isinstance(datasets, Mapping) or (by == "samples" and not schedule and any(
                 isinstance(d, Dataset) and d._in_iter() for d in datasets)):
-            from .iterdata import iter_mix
             return iter_mix(datasets, weights)  # Grain's IterDataset.mix
         datasets = list(datasets)
         if not datasets:
@@ -100,14 +101,14 @@ class Dataset(TailMixin):
                             "the same order= ('grain' or 'zephon').")
         for d in datasets:
             d._check_open("mix")
-        return cls(_Op("mix", tuple(d._op for d in datasets),
+        return cls(GraphOp("mix", tuple(d._op for d in datasets),
                        {"weights": None if weights is None else tuple(weights), "by": by,
                         "count_field": count_field, "schedule": tuple(schedule)}), datasets[0]._config)
 
     # --- Grain transformations ------------------------------------------------------------------
     def _then(self, kind: str, **args: Any) -> Dataset:
         self._check_open(kind)
-        return Dataset(_Op(kind, (self._op,), args), self._config)
+        return Dataset(GraphOp(kind, (self._op,), args), self._config)
 
     def _check_open(self, kind: str) -> None:
         if self._in_iter() and kind not in _ITER_OPS:
@@ -132,7 +133,7 @@ class Dataset(TailMixin):
             if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
                 raise PlanError(f"{kind} seeds are integers in [0, 2**32), got {seed!r}")
             return int(seed)
-        return _Op(kind, (self._op,)).default_seed()
+        return GraphOp(kind, (self._op,)).default_seed()
 
     def seed(self, seed: int) -> Dataset:
         """`ds.seed(s)`: downstream shuffles/random maps derive their seeds as Grain does."""
@@ -274,7 +275,8 @@ class Dataset(TailMixin):
         return Dataset(self._op, replace(self._config, runner=runner))
 
     def read_ahead(self, rows: int) -> Dataset:
-        """Rows read and transformed ahead in one group (default `READ_AHEAD`); speed only."""
+        """Rows read and transformed ahead in one group (default: `GrainTransform.read_ahead_rows`
+        for Grain transforms, else the loader's); speed only."""
         return Dataset(self._op, replace(self._config, read_ahead=int(rows)))
 
     # --- the plan -------------------------------------------------------------------------------
@@ -285,7 +287,7 @@ class Dataset(TailMixin):
         return head is not None and any(o.kind == "batch" for o in head.upstream())
 
     @functools.cached_property
-    def _compiled(self) -> _Compiled:
+    def _compiled(self) -> Compiled:
         if self._split.head is None:
             raise PlanError("this pipeline starts with a Grain iterator dataset (a mix of "
                             "IterDatasets, interleave or a file iterator); it has no Zephon plan.")
@@ -304,14 +306,39 @@ class Dataset(TailMixin):
     def record_sources(self) -> dict[int, Any]:
         return self._compiled.sources
 
-    def loader(self, *, rank: int | None = None, world: int | None = None, start_step: int = 0) -> Loader:
-        """The Zephon `Loader` of rank `rank` (default: the dataset's `shard`)."""
-        self._no_tail("loader()")
+    def pipeline(self) -> Pipeline:
+        """This dataset as one `zephon.Pipeline` (plan, record sources, operators): what `zephon
+        explain` and `zephon verify` describe, and what `loader()` runs (its `loader_cls` and
+        `dataset` say it came from here)."""
+        self._no_tail("pipeline()")
         c = self._compiled
-        cls = CollatingLoader if self.batched else Loader
-        return cls(c.plan, c.sources, c.transforms, rank=rank if rank is not None else self._config.rank or 0,
-                   world=world if world is not None else self._config.world or 1,
-                   runner=self._config.runner, start_step=start_step, read_ahead=self._config.read_ahead)
+        return Pipeline(c.plan, c.sources, c.transforms, loader_cls=CollatingLoader if self.batched else None,
+                        dataset=self)
+
+    def loader(self, where: Where | None = None, how: How | None = None, *, start_step: int = 0,
+               **old_form: Any) -> Loader | CollatingLoader:
+        """The Zephon loader of this pipeline: `Loader(self.pipeline(), where, how)` (collating
+        Grain records into columns when batched). `where` defaults to the dataset's `shard(rank,
+        world)` (else rank 0 of 1), `how` to its `runner(r)` and `read_ahead(rows)`.
+        `loader(rank=, world=)` is deprecated: use `loader(zephon.Where(rank=, world=))`."""
+        if old_form:
+            bad = set(old_form) - {"rank", "world"}
+            if bad:
+                raise TypeError(f"Dataset.loader() got unexpected keyword arguments {sorted(bad)}")
+            if where is not None:
+                raise TypeError("Dataset.loader(): pass where=zephon.Where(rank=, world=) or rank=/world=, not both")
+            warnings.warn("Dataset.loader(rank=..., world=...) is deprecated and will be removed in the next "
+                          "version; use Dataset.loader(zephon.Where(rank=..., world=...)).",
+                          DeprecationWarning, stacklevel=2)
+            where = Where(rank=self._config.rank or 0 if old_form.get("rank") is None else old_form["rank"],
+                          world=self._config.world or 1 if old_form.get("world") is None else old_form["world"])
+        if where is None:
+            where = Where(rank=self._config.rank or 0, world=self._config.world or 1)
+        if how is None:
+            how = How(runner=self._config.runner, read_ahead=self._config.read_ahead)
+        self._no_tail("loader()")
+        pipe = self.pipeline()
+        return pipe.loader(where, how, start_step=start_step)
 
     def to_jax(self, mesh: Any = None, batch_axes: Any = "data", **kwargs: Any) -> Any:
         """A `zephon.backends.jax.JaxLoader` over this pipeline: sharded global `jax.Array`s.
@@ -388,10 +415,21 @@ class Dataset(TailMixin):
     def fingerprints(self, steps: int, *, world: int | None = None) -> list[str]:
         """Step fingerprints of the first `steps` global batches, computed by `world` ranks."""
         world = world or self._config.world or 1
-        return run_fingerprints([self.loader(rank=r, world=world) for r in range(world)], steps)
+        return run_fingerprints([self.loader(Where(rank=r, world=world)) for r in range(world)], steps)
 
     # --- the same pipeline on real Grain -------------------------------------------------------
     def to_grain(self) -> Any:
         """The equivalent real `grain.MapDataset`/`IterDataset` (same ops, seeds and sources)."""
         return to_grain(self._op, {})
 
+
+def iter_mix(datasets: Sequence[Any] | Mapping[str, Any], weights: Any = None) -> Dataset:
+    """Grain's `IterDataset.mix`: Grain's proportional selection over the datasets' iterators,
+    stopping when the selected dataset is exhausted."""
+    if isinstance(datasets, Mapping):
+        keys = list(datasets)
+        datasets = [datasets[k] for k in keys]
+        if isinstance(weights, Mapping):
+            weights = [weights[k] for k in keys]
+    return Dataset(GraphOp("iter_mix", (), {"datasets": tuple(datasets),
+                                        "weights": None if weights is None else tuple(weights)}))

@@ -3,13 +3,13 @@
 `Iterator` is a `grain.DatasetIterator` over a Zephon `Loader`: batches come out in Grain's
 structure (`unflatten_columns`), `get_state`/`set_state` are Zephon's one JSON state document
 (plus `elements_taken` inside a step when iterating unbatched), and `merge_states` joins every
-rank's state into one that restores at another data-parallel degree. `CollatingLoader` is the
-`Loader` whose batches are always named columns.
+rank's state into one that restores at another data-parallel degree. `CollatingLoader` wraps a
+`Loader` so that its batches are always named columns.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -17,6 +17,7 @@ import grain
 
 from zephon.errors import StateError
 from zephon.exec.loader import Loader, LocalBatch
+from zephon.pipeline import How, Pipeline, Where
 from zephon.telemetry import Stats, Telemetry
 
 from .records import RECORD, RNG, collate, elements, grain_strings, unflatten_columns
@@ -31,16 +32,56 @@ def sorted_keys(tree: Any) -> Any:
     return tree
 
 
-class CollatingLoader(Loader):
-    """A Zephon `Loader` whose batches are always named columns, never Grain record objects."""
+def _collated(batch: LocalBatch) -> LocalBatch:
+    return replace(batch, data=collate(batch.data)) if RECORD in batch.data or RNG in batch.data else batch
+
+
+class CollatingLoader:
+    """A `zephon.Loader` whose batches are always named columns, never Grain record objects.
+
+    A thin layer over one `Loader` (`self.loader`): it builds it from the same arguments
+    (`CollatingLoader(pipeline, where=, how=, start_step=...)`), collates the Grain records
+    left in a batch (a chain with a filter is collated here, once the step's rows are assembled:
+    see `transforms.with_collate`), and hands everything else — `state()`, `restore()`,
+    `position()`, `step`, `plan`, `stats()`, ... — to the loader. A `zephon.Pipeline`'s
+    `loader_cls` for Grain-shaped pipelines.
+    """
+
+    def __init__(self, pipeline: Pipeline, where: Where | None = None, how: How | None = None,
+                 **options: Any) -> None:
+        #: the loader this one collates the batches of
+        self.loader = Loader(pipeline, where, how, **options)
+
+    def __iter__(self) -> CollatingLoader:
+        return self
 
     def __next__(self) -> LocalBatch:
-        b = super().__next__()
-        return replace(b, data=collate(b.data)) if RECORD in b.data or RNG in b.data else b
+        return _collated(next(self.loader))
 
     def batch(self, step: int) -> LocalBatch:
-        b = super().batch(step)
-        return replace(b, data=collate(b.data)) if RECORD in b.data or RNG in b.data else b
+        """Random access to global batch `step`, collated (see `Loader.batch`)."""
+        return _collated(self.loader.batch(step))
+
+    def strided(self, start: int, stride: int) -> Iterable[LocalBatch]:
+        """Batches start, start+stride, ..., collated (see `Loader.strided`)."""
+        return (_collated(b) for b in self.loader.strided(start, stride))
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the loader's
+        if name == "loader":  # not built (an __init__ that raised): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def close(self) -> None:
+        self.loader.close()
+
+    def __enter__(self) -> CollatingLoader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 class Iterator(grain.DatasetIterator):
@@ -57,7 +98,7 @@ class Iterator(grain.DatasetIterator):
     Grain's are (Grain's own steps call it on every batch), so an epoch loop calls `set_epoch`.
     """
 
-    def __init__(self, loader: Loader, *, batched: bool = True) -> None:
+    def __init__(self, loader: Loader | CollatingLoader, *, batched: bool = True) -> None:
         super().__init__()
         self.loader = loader
         # telemetry: this iterator's waits and its conversion time, plus the loader's stages

@@ -5,14 +5,13 @@
 Grain's arguments and give Grain's elements; they run after Zephon's plan (`tail`, `streams`),
 so what comes before them keeps Zephon's guarantees and they add Grain's own (a JSON iterator
 state). `pick_performance_config` picks Zephon runner settings in Grain's option types, and
-`mp_prefetch` / `ReadOptions` select the runner (`options_runner`).
+`mp_prefetch` / `ReadOptions` select the runner (`pipeline.options_runner`).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +20,10 @@ import grain
 import numpy as np
 
 from zephon.errors import PlanError
-from zephon.runners import processes, threads
-from zephon.runners.base import Runner, available_cores
+from zephon.runners.base import available_cores
 
-from .compile import _Op
-from .dataset import Dataset
-from .warn import warn_once
+from .compile import GraphOp
+from .dataset import Dataset, iter_mix
 
 FlatMapTransform = grain.experimental.FlatMapTransform
 
@@ -83,19 +80,7 @@ def FlatMapMapDataset(parent: Any, transform: Any) -> Dataset:
 def InterleaveIterDataset(datasets: Sequence[Any], *, cycle_length: int, **_: Any) -> Dataset:
     """Grain's interleave: `cycle_length` datasets open, one element of each in turn."""
     dss = [_as_dataset(d, "InterleaveIterDataset") if isinstance(d, Dataset) else d for d in datasets]
-    return Dataset(_Op("interleave", (), {"datasets": tuple(dss), "cycle_length": int(cycle_length)}))
-
-
-def iter_mix(datasets: Sequence[Any] | Mapping[str, Any], weights: Any = None) -> Dataset:
-    """Grain's `IterDataset.mix`: Grain's proportional selection over the datasets' iterators,
-    stopping when the selected dataset is exhausted."""
-    if isinstance(datasets, Mapping):
-        keys = list(datasets)
-        datasets = [datasets[k] for k in keys]
-        if isinstance(weights, Mapping):
-            weights = [weights[k] for k in keys]
-    return Dataset(_Op("iter_mix", (), {"datasets": tuple(datasets),
-                                        "weights": None if weights is None else tuple(weights)}))
+    return Dataset(GraphOp("interleave", (), {"datasets": tuple(dss), "cycle_length": int(cycle_length)}))
 
 
 class IterDataset(Dataset):
@@ -146,7 +131,7 @@ def ParquetIterDataset(path: str | Sequence[str], **read_kwargs: Any) -> Dataset
     paths = [path] if isinstance(path, (str, bytes, os.PathLike)) else list(path)
     if not paths:
         raise PlanError("ParquetIterDataset needs at least one path")
-    files = [Dataset(_Op("external", (), {"make": functools.partial(_ParquetRows, p, read_kwargs)}))
+    files = [Dataset(GraphOp("external", (), {"make": functools.partial(_ParquetRows, p, read_kwargs)}))
              for p in paths]
     return files[0] if len(files) == 1 else InterleaveIterDataset(files, cycle_length=16)
 
@@ -170,21 +155,3 @@ def pick_performance_config(ds: Any, ram_budget_mb: int, max_workers: int | None
     buffer = max(1, min(buffer, int(ram_budget_mb)))
     return PerformanceConfig(grain.MultiprocessingOptions(num_workers=workers),
                              grain.ReadOptions(num_threads=max(1, workers), prefetch_buffer_size=buffer))
-
-
-def options_runner(ds: Dataset, num_workers: int, *, use_threads: bool) -> Runner | None:
-    """Grain's worker counts as a Zephon runner: processes when every transform pickles (as
-    Grain's workers need), else threads — saying once that the process isolation is off."""
-    if num_workers <= 0:
-        return None
-    if use_threads:
-        return threads(num_workers)
-    try:
-        pickle.dumps(ds.transforms)
-    except Exception:
-        warn_once("mp_prefetch:threads",
-                  "mp_prefetch: the pipeline's transforms do not pickle (a lambda?), so its "
-                  f"{num_workers} workers are threads, not processes (same data; Python-heavy "
-                  "transforms run slower). Define them at module level for process workers.")
-        return threads(num_workers)
-    return processes(num_workers)

@@ -2,36 +2,36 @@
 
 Kept apart from `dataset` (the Grain-shaped methods): this is the glue that lets a pipeline run
 past the plan's global batch — a smaller last batch, `batch_fn`, steps after `batch`, Grain's
-iterator datasets — and index past its end (Grain's next epoch), and `mp_prefetch`.
+iterator datasets — and index past its end (Grain's next epoch), and `mp_prefetch` (Grain's
+worker counts as a Zephon runner: `options_runner`).
 """
 
 from __future__ import annotations
 
 import functools
+import pickle
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grain
 
 from zephon.errors import PlanError
+from zephon.runners import processes, threads
+from zephon.runners.base import Runner
 
-from .compile import _Compiled, _Op, row_ops
+from .compile import Compiled, GraphOp, row_ops
 from .tail import Split, Tail, split
 from .transforms import has_accumulator
+from .warn import warn_once
 
 if TYPE_CHECKING:
     from .dataset import Dataset
 
 
-def _facade(op: _Op, config: Any) -> Dataset:
-    from .dataset import Dataset
-    return Dataset(op, config)
-
-
 class TailMixin:
     """The head/tail split of a `Dataset` (the methods below read `_op` and `_config`)."""
 
-    _op: _Op
+    _op: GraphOp
     _config: Any
     if TYPE_CHECKING:  # provided by Dataset
         @property
@@ -41,15 +41,19 @@ class TailMixin:
         @property
         def batched(self) -> bool: ...
         @property
-        def _compiled(self) -> _Compiled: ...
+        def _compiled(self) -> Compiled: ...
         def _in_iter(self) -> bool: ...
         def _item(self, index: int) -> Any: ...
         def runner(self, runner: Any) -> Dataset: ...
 
+    def _derive(self, op: GraphOp, config: Any) -> Dataset:
+        """A dataset of this one's class over `op` (this module does not import `dataset`)."""
+        return cast("Dataset", type(self)(op, config))  # type: ignore[call-arg]
+
     @functools.cached_property
     def _split(self) -> Split:
         """The head the plan runs and the tail after it (`tail.split`)."""
-        return split(self._op, lambda op: _facade(op, self._config)._compiled.stream.length,
+        return split(self._op, lambda op: self._derive(op, self._config)._compiled.stream.length,
                      self.packed or self._token_mixed)
 
     @functools.cached_property
@@ -59,7 +63,7 @@ class TailMixin:
             return None
         # the tail reads the head's elements in Grain's order: one lane (lanes only change
         # speed and state layout, and an unbatched multi-lane stream ends at a whole step)
-        head = None if sp.head is None else _facade(sp.head, replace(self._config, lanes=None,
+        head = None if sp.head is None else self._derive(sp.head, replace(self._config, lanes=None,
                                                                       rank=None, world=None))
         def head_len() -> int:
             assert head is not None  # a tail starting with a leaf is not random access
@@ -93,15 +97,15 @@ class TailMixin:
     def _past_the_end(self, index: int) -> Any:
         """Grain's MapDataset past its length: the next epoch (reshuffled, fresh random maps)."""
         if self._op.kind == "batch":
-            parent = _facade(self._op.parents[0], self._config)
+            parent = self._derive(self._op.parents[0], self._config)
             return Tail((self._op,), head_len=lambda: len(parent), head_item=parent._item,
                         head_iter=lambda: iter(parent), head_is_map=True, leaf=lambda o: None
                         ).item(index)
         if self._in_iter():
             raise PlanError(f"ds[{index}]: an IterDataset has no random access (as in Grain).")
-        return _facade(_Op("repeat", (self._op,), {"num_epochs": None}), self._config)._item(index)
+        return self._derive(GraphOp("repeat", (self._op,), {"num_epochs": None}), self._config)._item(index)
 
-    def _check_backend(self, what: str) -> _Compiled:
+    def _check_backend(self, what: str) -> Compiled:
         self._no_tail(what)
         c = self._compiled
         if not self.batched:
@@ -122,22 +126,37 @@ class TailMixin:
 
     def _read_options(self, read_options: Any) -> Dataset:
         """Grain's `ReadOptions(num_threads=n)`: a Zephon threads runner of n workers."""
-        ds = _facade(self._op, self._config)
+        ds = self._derive(self._op, self._config)
         if read_options is None or self._config.runner is not None or self._split.head is None:
             return ds
-        from .iterdata import options_runner
-        return ds.runner(options_runner(ds, int(getattr(read_options, "num_threads", 0)), use_threads=True))
+        return ds.runner(options_runner(ds.transforms, int(getattr(read_options, "num_threads", 0)), use_threads=True))
 
     def mp_prefetch(self, options: Any = None, worker_init_fn: Any = None) -> Dataset:
         """Grain's multiprocess prefetch: `options.num_workers` Zephon workers run the plan's
         steps (processes when the transforms pickle, else threads; the data is the same)."""
-        from .iterdata import options_runner
         if worker_init_fn is not None:
             raise PlanError("mp_prefetch(worker_init_fn=...) is not supported: Zephon's workers "
                             "run only the pipeline's transforms; initialise state inside them.")
         n = int((options or grain.MultiprocessingOptions()).num_workers)
         if self._split.head is None:
-            return _facade(self._op, self._config)
-        head = _facade(self._split.head, self._config)
-        return self.runner(options_runner(head, n, use_threads=False))
+            return self._derive(self._op, self._config)
+        head = self._derive(self._split.head, self._config)
+        return self.runner(options_runner(head.transforms, n, use_threads=False))
 
+
+def options_runner(transforms: Any, num_workers: int, *, use_threads: bool) -> Runner | None:
+    """Grain's worker counts as a Zephon runner: processes when every transform pickles (as
+    Grain's workers need), else threads — saying once that the process isolation is off."""
+    if num_workers <= 0:
+        return None
+    if use_threads:
+        return threads(num_workers)
+    try:
+        pickle.dumps(transforms)
+    except Exception:
+        warn_once("mp_prefetch:threads",
+                  "mp_prefetch: the pipeline's transforms do not pickle (a lambda?), so its "
+                  f"{num_workers} workers are threads, not processes (same data; Python-heavy "
+                  "transforms run slower). Define them at module level for process workers.")
+        return threads(num_workers)
+    return processes(num_workers)

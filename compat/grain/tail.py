@@ -24,7 +24,7 @@ import grain
 
 from zephon.errors import PlanError
 
-from .compile import GRAIN_INFINITE, _Op
+from .compile import GRAIN_INFINITE, GraphOp
 from .order import grain_proportions
 from .streams import (
     BatchStep,
@@ -52,7 +52,7 @@ MAP_STEPS = ("map", "filter", "random_map", "map_with_index", "slice", "batch", 
 _BY_INDEX = ("slice", "repeat_same")  # MapDataset steps whose iteration needs Grain's indices
 
 
-def chain(op: _Op) -> list[_Op]:
+def chain(op: GraphOp) -> list[GraphOp]:
     """The pipeline's linear chain, source side first (a mix/source/iterator leaf starts it)."""
     out = [op]
     while len(out[-1].parents) == 1:
@@ -80,11 +80,11 @@ class Split:
     """`head`: the op the plan runs up to (None: the pipeline starts with a tail-only leaf);
     `tail`: the steps after it, source side first."""
 
-    head: _Op | None
-    tail: tuple[_Op, ...]
+    head: GraphOp | None
+    tail: tuple[GraphOp, ...]
 
 
-def split(op: _Op, stream_length: Callable[[_Op], int | None], packed: bool) -> Split:
+def split(op: GraphOp, stream_length: Callable[[GraphOp], int | None], packed: bool) -> Split:
     """Cuts the pipeline after the last step the plan can run with Grain's semantics."""
     ops = chain(op)
     if ops[0].kind in TAIL_LEAVES:
@@ -102,7 +102,7 @@ def split(op: _Op, stream_length: Callable[[_Op], int | None], packed: bool) -> 
     return Split(op, ())
 
 
-def _plan_batch(batch: _Op, stream_length: Callable[[_Op], int | None]) -> bool:
+def _plan_batch(batch: GraphOp, stream_length: Callable[[GraphOp], int | None]) -> bool:
     """Whether the plan's global batch gives Grain's batches: no batch_fn, and no smaller last
     batch (dropped, none, or an infinite stream without a filter)."""
     a = batch.args
@@ -117,7 +117,7 @@ def _plan_batch(batch: _Op, stream_length: Callable[[_Op], int | None]) -> bool:
     return n is None or n == GRAIN_INFINITE or n % a["batch_size"] == 0
 
 
-def _map_prefix(tail: Sequence[_Op], head_is_map: bool) -> int:
+def _map_prefix(tail: Sequence[GraphOp], head_is_map: bool) -> int:
     """How many leading tail steps are MapDataset steps (random access)."""
     n = 0
     while head_is_map and n < len(tail) and tail[n].kind in MAP_STEPS:
@@ -128,9 +128,9 @@ def _map_prefix(tail: Sequence[_Op], head_is_map: bool) -> int:
 class Tail:
     """Grain's semantics for the steps after the head (random access and iteration)."""
 
-    def __init__(self, ops: Sequence[_Op], head_len: Callable[[], int],
+    def __init__(self, ops: Sequence[GraphOp], head_len: Callable[[], int],
                  head_item: Callable[[int], Any], head_iter: Callable[[], Any],
-                 head_is_map: bool, leaf: Callable[[_Op], Any]) -> None:
+                 head_is_map: bool, leaf: Callable[[GraphOp], Any]) -> None:
         self.ops = tuple(ops)
         self._head_len, self._head_item, self._head_iter = head_len, head_item, head_iter
         self.map_prefix = _map_prefix(self.ops, head_is_map)
@@ -209,7 +209,7 @@ class Tail:
             it = self._step(it, o)
         return it
 
-    def _step(self, it: Any, o: _Op) -> Any:
+    def _step(self, it: Any, o: GraphOp) -> Any:
         a, k = o.args, o.kind
         if k in ("map", "filter", "flat_map"):
             f = fn_of(k, a["transform"])

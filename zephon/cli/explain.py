@@ -77,7 +77,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"... {len(plan_rows) - len(sel)} more rows (--rows A:B to choose)")
         return 0
     pipe = Builder(args.target)(args.world, args.rank)
-    loader = pipe.loader(rank=args.rank, world=args.world)
+    from zephon.pipeline import Where
+
+    loader = pipe.loader(Where(rank=args.rank, world=args.world))
     try:
         if args.from_state is not None:  # start from a saved state instead of step 0
             from zephon.checkpoint import load_state

@@ -1,5 +1,6 @@
-"""The pipeline under test: what a factory returns (`Pipeline`), how a factory is found
-(`load_factory`, `load_plan` for a saved plan) and built for a degree and rank (`Builder`)."""
+"""The pipeline under test: what a factory returns (a `zephon.Pipeline`, or what `as_pipeline`
+makes one of), how a factory is found (`load_factory`, `load_plan` for a saved plan) and built for
+a degree and rank (`Builder`)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,15 @@ import inspect
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from zephon.errors import PlanError, ZephonError
-from zephon.exec.loader import Loader
+from zephon.pipeline import Pipeline  # what a factory returns; also zephon.testing.Pipeline
 from zephon.plan import Batch, Node
-from zephon.runners.base import Runner
 from zephon.storage.url import is_remote
 
 
@@ -29,81 +28,50 @@ class FactoryError(ZephonError, ValueError):
 
 # --- the pipeline under test ----------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Pipeline:
-    """What a factory returns: the arguments of `zephon.Loader`.
+def as_pipeline(obj: Any, what: str = "the factory") -> Pipeline:
+    """A `zephon.Pipeline` from what a factory returned: a pipeline, a plan alone
+    (`pipeline_from_plan`), a `zephon.compat.grain.Dataset` ending in `.batch(B)`, a dict of
+    the pipeline's fields, or a tuple `(plan, sources[, ops])`."""
+    if isinstance(obj, Pipeline):
+        return obj
+    if isinstance(obj, Batch):
+        return pipeline_from_plan(obj)
+    zg = sys.modules.get("zephon.compat.grain")  # loaded if obj can be one of its Datasets
+    if zg is not None and isinstance(obj, zg.Dataset):
+        if not obj.batched:
+            raise FactoryError(f"{what} returned a zephon.compat.grain Dataset without .batch(B); "
+                               "verification compares global batches, so end the pipeline in batch().")
+        return obj.pipeline()
+    if isinstance(obj, Mapping) and "plan" in obj and "sources" in obj:
+        extra = set(obj) - {"plan", "sources", "ops", "transforms", "per_source", "seed"}
+        if extra:
+            raise FactoryError(f"{what} returned a dict with unknown keys {sorted(extra)}; use "
+                               "plan, sources, ops, per_source, seed.")
+        return as_pipeline(Pipeline(**obj), what)  # "transforms" (ops' old name) warns there
+    if isinstance(obj, tuple) and 2 <= len(obj) <= 3 and isinstance(obj[0], Batch):
+        return Pipeline(obj[0], obj[1], tuple(obj[2]) if len(obj) == 3 else ())
+    raise FactoryError(f"{what} returned {type(obj).__name__}; return a zephon.Pipeline(plan, sources, "
+                       "ops), a tuple (plan, sources[, ops]) or a zephon.compat.grain.Dataset ending "
+                       "in .batch(B).")
 
-    `loader_cls` is the loader class (a `zephon.compat.grain` pipeline uses its own); `dataset`
-    keeps the Grain-shaped `Dataset` a pipeline came from.
-    """
 
-    plan: Batch
-    sources: Any
-    transforms: Sequence[Any] = ()
-    per_source: Mapping[int, Sequence[Any]] | None = None
-    seed: int = 0
-    loader_cls: type = Loader
-    dataset: Any = None
+def pipeline_from_plan(plan: Batch) -> Pipeline:
+    """A pipeline that loads, for every row, its (source, record) — to verify a plan alone
+    (e.g. one saved as JSON), without its data."""
+    from zephon.exec.steps import leaf_sources
 
-    def loader(self, *, rank: int = 0, world: int = 1, runner: Runner | None = None, **options: Any) -> Loader:
-        """A loader of this pipeline for data-parallel rank `rank` of `world`."""
-        kw = dict(options)
-        if self.per_source:
-            kw["per_source"] = self.per_source
-        return self.loader_cls(self.plan, self.sources, tuple(self.transforms), seed=self.seed,
-                               rank=rank, world=world, runner=runner, **kw)
+    sources: dict[int, IndexSource] = {0: IndexSource(2 ** 62, 0)}
+    for s in leaf_sources(plan):
+        sources[int(s.id)] = IndexSource(int(s.size), int(s.id))
+    return Pipeline(plan, sources)
 
-    def backend_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `JaxLoader` / `TorchLoader` / `ZephonIterableDataset`."""
-        kw: dict[str, Any] = {"seed": self.seed}
-        if self.per_source:
-            kw["per_source"] = self.per_source
-        return kw
 
-    def backend_refusal(self) -> str | None:
-        """Why the JAX/torch emitters cannot carry this pipeline, or None."""
-        if self.loader_cls is not Loader and not all(getattr(t, "one_to_one", True) for t in self.transforms):
-            return ("a zephon.compat.grain pipeline with a filter yields Grain records that only its "
-                    "own iterator stacks into columns")
-        return None
-
-    @staticmethod
-    def of(obj: Any, what: str = "the factory") -> Pipeline:
-        """A `Pipeline` from what a factory returned (see the module doc)."""
-        if isinstance(obj, Pipeline):
-            return obj
-        if isinstance(obj, Batch):
-            return Pipeline.from_plan(obj)
-        zg = sys.modules.get("zephon.compat.grain")  # loaded if obj can be one of its Datasets
-        if zg is not None and isinstance(obj, zg.Dataset):
-            if not obj.batched:
-                raise FactoryError(f"{what} returned a zephon.compat.grain Dataset without .batch(B); "
-                                   "verification compares global batches, so end the pipeline in batch().")
-            loader = obj.loader()
-            return Pipeline(obj.plan, obj.record_sources, tuple(obj.transforms),
-                            loader_cls=type(loader), dataset=obj)
-        if isinstance(obj, Mapping) and "plan" in obj and "sources" in obj:
-            extra = set(obj) - {"plan", "sources", "transforms", "per_source", "seed"}
-            if extra:
-                raise FactoryError(f"{what} returned a dict with unknown keys {sorted(extra)}; use "
-                                   "plan, sources, transforms, per_source, seed.")
-            return Pipeline.of(Pipeline(**obj), what)
-        if isinstance(obj, tuple) and 2 <= len(obj) <= 3 and isinstance(obj[0], Batch):
-            return Pipeline(obj[0], obj[1], tuple(obj[2]) if len(obj) == 3 else ())
-        raise FactoryError(f"{what} returned {type(obj).__name__}; return a zephon.testing.Pipeline"
-                           "(plan, sources, transforms), a tuple (plan, sources[, transforms]) or a "
-                           "zephon.compat.grain.Dataset ending in .batch(B).")
-
-    @staticmethod
-    def from_plan(plan: Batch) -> Pipeline:
-        """A pipeline that loads, for every row, its (source, record) — to verify a plan alone
-        (e.g. one saved as JSON), without its data."""
-        from zephon.exec.steps import leaf_sources
-
-        sources: dict[int, IndexSource] = {0: IndexSource(2 ** 62, 0)}
-        for s in leaf_sources(plan):
-            sources[int(s.id)] = IndexSource(int(s.size), int(s.id))
-        return Pipeline(plan, sources)
+def backend_refusal(pipe: Pipeline) -> str | None:
+    """Why the JAX/torch emitters cannot carry `pipe`, or None."""
+    if pipe.loader_cls is not None and not all(getattr(t, "one_to_one", True) for t in pipe.ops):
+        return ("a zephon.compat.grain pipeline with a filter yields Grain records that only its "
+                "own iterator stacks into columns")
+    return None
 
 
 class IndexSource:
@@ -255,14 +223,14 @@ class Builder:
         self.spec: str | None = None
         if (isinstance(factory, str) and factory.endswith(".json")
                 and ":" not in factory.replace("\\", "/").split("/")[-1]):  # a saved plan, not a.py:fn
-            self.fixed = Pipeline.from_plan(load_plan(factory))
+            self.fixed = pipeline_from_plan(load_plan(factory))
             self.spec = factory
         elif isinstance(factory, str):
             self.fn = load_factory(factory)
         elif callable(factory) and not isinstance(factory, Pipeline):
             self.fn = factory
         elif not isinstance(factory, Pipeline):
-            self.fixed = Pipeline.of(factory, "the pipeline")
+            self.fixed = as_pipeline(factory, "the pipeline")
         if self.fn is not None:
             self.spec = factory_spec(factory)
         self.name = (self.spec.rpartition(":")[2] if self.spec else getattr(self.fn, "__name__", "pipeline")
@@ -287,4 +255,4 @@ class Builder:
             raise
         except Exception as e:
             raise FactoryError(f"{what} raised {type(e).__name__}: {e}") from e
-        return Pipeline.of(obj, what)
+        return as_pipeline(obj, what)

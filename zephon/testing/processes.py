@@ -21,7 +21,7 @@ import numpy as np
 from zephon.errors import PlanError
 from zephon.exec.loader import merge_states
 from zephon.testing.configs import Config, Segment
-from zephon.testing.pipeline import Builder
+from zephon.testing.pipeline import Builder, backend_refusal
 from zephon.testing.sessions import (
     _FAKE_DEVICES,
     _check_degree,
@@ -159,11 +159,11 @@ def _worker(args: dict[str, Any]) -> None:
         try:
             pipe = builder(procs, i)
             try:
-                why = _check_degree(pipe, procs) or pipe.backend_refusal()
+                why = _check_degree(pipe, procs) or backend_refusal(pipe)
                 if why:
                     raise _NotApplicable(why)
-                loader = TorchLoader(pipe.plan, pipe.sources, tuple(pipe.transforms),
-                                     runner=_runner(seg.runner), **pipe.backend_kwargs())  # rank/world: gloo's
+                loader = TorchLoader(pipe.plan, pipe.sources, pipe.ops, runner=_runner(seg.runner),
+                                     seed=pipe.seed, per_source=pipe.per_source)  # rank/world: gloo's
             except (PlanError, _NotApplicable) as e:
                 Path(args["out"]).write_text(json.dumps({"not_applicable": str(e)}))
                 return

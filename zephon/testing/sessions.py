@@ -18,9 +18,10 @@ import numpy as np
 
 from zephon.errors import PlanError
 from zephon.exec.loader import LocalBatch, merge_states
+from zephon.pipeline import How, Where
 from zephon.plan import Batch
 from zephon.testing.configs import Segment
-from zephon.testing.pipeline import Builder, Pipeline
+from zephon.testing.pipeline import Builder, Pipeline, backend_refusal
 
 _FAKE_DEVICES = "--xla_force_host_platform_device_count"
 
@@ -92,7 +93,7 @@ class _NumpySession(_Session):
 
     def __init__(self, pipes: list[Pipeline], seg: Segment) -> None:
         self.seg = seg
-        self.loaders = [p.loader(rank=r, world=seg.world, runner=_runner(seg.runner))
+        self.loaders = [p.loader(Where(rank=r, world=seg.world), How(runner=_runner(seg.runner)))
                         for r, p in enumerate(pipes)]
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
@@ -119,7 +120,8 @@ class _GrainSession(_Session):
         import zephon.compat.grain as zg
 
         self.zg, self.seg = zg, seg
-        self.iters = [zg.Iterator(p.loader(rank=r, world=seg.world, runner=_runner(seg.runner)), batched=True)
+        self.iters = [zg.Iterator(p.loader(Where(rank=r, world=seg.world), How(runner=_runner(seg.runner))),
+                                  batched=True)
                       for r, p in enumerate(pipes)]
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
@@ -190,16 +192,16 @@ class _TorchSession(_Session):
         self.iters: list[Any] = []
         for r, p in enumerate(pipes):
             if seg.workers:
-                ds = ZephonIterableDataset(p.plan, p.sources, tuple(p.transforms), rank=r, world=seg.world,
-                                           runner=_runner(seg.runner), **p.backend_kwargs())
+                ds = ZephonIterableDataset(p.plan, p.sources, p.ops, rank=r, world=seg.world,
+                                           runner=_runner(seg.runner), seed=p.seed, per_source=p.per_source)
                 # fork after JAX started its threads can deadlock: then start workers clean
                 ctx = "forkserver" if "jax" in sys.modules else None
                 self.loaders.append(ZephonDataLoader(ds, num_workers=seg.workers,
                                                      multiprocessing_context=ctx))
             else:
-                self.loaders.append(TorchLoader(p.plan, p.sources, tuple(p.transforms), rank=r,
+                self.loaders.append(TorchLoader(p.plan, p.sources, p.ops, rank=r,
                                                 world=seg.world, runner=_runner(seg.runner),
-                                                **p.backend_kwargs()))
+                                                seed=p.seed, per_source=p.per_source))
         self.owned = [p.plan.lanes.owned(r, seg.world) for r, p in enumerate(pipes)]
 
     def _iter(self, r: int) -> Any:
@@ -278,9 +280,9 @@ class _JaxSession(_Session):
         self.excluded = sorted(k for k, d in ref_dtypes.items()
                                if d.kind in "OUS" or (d.kind == "V" and not _jax_dtype(d)))
         self.plan = pipe.plan
-        self.loader = JaxLoader(pipe.plan, pipe.sources, tuple(pipe.transforms), mesh=mesh,
+        self.loader = JaxLoader(pipe.plan, pipe.sources, pipe.ops, mesh=mesh,
                                 batch_axes=names, exclude=self.excluded, runner=_runner(seg.runner),
-                                **pipe.backend_kwargs())
+                                seed=pipe.seed, per_source=pipe.per_source)
         self.owned = pipe.plan.lanes.owned(self.loader.layout.rank, self.loader.layout.world)
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
@@ -342,7 +344,7 @@ def _make_session(builder: Builder, pipes: list[Pipeline], seg: Segment,
                                      f"{'device' if seg.backend == 'jax' else 'rank'} holds"
                                      f"{f' from step {step}' if step else ''}")
     if seg.backend in ("jax", "torch"):
-        why = pipes[0].backend_refusal()
+        why = backend_refusal(pipes[0])
         if why:
             raise _NotApplicable(why)
     if seg.backend == "numpy":
