@@ -43,7 +43,7 @@ def source() -> ArraySource:
                         "id": np.arange(N, dtype=np.int64)})
 
 
-def plan() -> z.Batch:
+def plan() -> z.Batching:
     return z.Source(N).shuffle(1).repeat().lanes(8).batch(32)
 
 

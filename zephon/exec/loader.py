@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zephon.accounting import domain_fields
-from zephon.blockshuffle import follow_blocks, resolve_blocks
 from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.batch import LocalBatch, check_micro_count
@@ -29,9 +28,11 @@ from zephon.exec.pipeline import LanePipeline
 from zephon.exec.resize import check_micro_schedule
 from zephon.exec.resume import Resumable
 from zephon.exec.state import LaneState, check_state, merge_states
-from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps, leaf_sources, plan_nodes
+from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps
 from zephon.ops.base import JSON, Operator, Transform, run_transforms
-from zephon.plan import Batch, Mix, Refs
+from zephon.plan import Batching, Mix, Refs
+from zephon.plan.blockshuffle import follow_blocks, resolve_blocks
+from zephon.plan.walk import leaf_sources, plan_nodes
 from zephon.sources.base import Columns, RecordSource
 from zephon.telemetry import StageSink, Stats, Telemetry
 from zephon.telemetry import make as telemetry_recorder
@@ -44,7 +45,7 @@ class Loader(FiniteEnd, Resumable):
     """Iterates global batches `start, start+1, ...` of a plan, materialising owned rows only.
 
     Args:
-      plan: the root `Batch` node.
+      plan: the root `Batching` node.
       sources: one record source, a list (index = `Source.id`) or a mapping id -> source.
       transforms: lane operators applied in every lane, in order: row operators (`Map`,
         `RandomMap`, `Filter`, `FlatMap`, `Tokenize`, ...), at most one `Accumulator` (`Pack`),
@@ -71,17 +72,17 @@ class Loader(FiniteEnd, Resumable):
       epoch: the pass over a finite plan (`repeat()`'s order); `set_epoch(e)`; in the state.
       end: the plan's end step if known already (a DataLoader's workers are told it): no counting.
 
-    A finite plan ends at the same step on every rank (`Batch.remainder`); `len()`: steps left.
+    A finite plan ends at the same step on every rank (`Batching.remainder`); `len()`: steps left.
     """
 
-    def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
+    def __init__(self, plan: Batching, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
                  transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
                  seed: int = 0, rank: int = 0, world: int = 1, runner: Runner | None = None, start_step: int = 0,
                  read_ahead: int | None = None, lanes: Sequence[int] | None = None,
                  micro_batches: int | None = None, telemetry: bool | Telemetry = True,
                  domains: bool = False, all_gather: AllGather | None = None, epoch: int = 0,
                  end: int | None = None) -> None:
-        if not isinstance(plan, Batch):
+        if not isinstance(plan, Batching):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         self.sources = as_source_map(sources)
         plan = resolve_blocks(plan, self.sources)  # block_shuffle(block="auto"): the sources' unit
@@ -139,7 +140,7 @@ class Loader(FiniteEnd, Resumable):
         #: Whether batches are random access (every lane position is `step × B/L`).
         self.random_access = self.pipeline.one_to_one and not self.token_mix
         self.one_to_one = self.random_access
-        if plan.remainder == "auto":  # pad where lanes run out at different steps (see Batch)
+        if plan.remainder == "auto":  # pad where lanes run out at different steps (see Batching)
             self.plan = plan = dataclasses.replace(
                 plan, remainder="pad" if not self.random_access and self.finite else "drop")
         #: what the plan's end leaves unemitted in an epoch (`remainder="drop"`), once known

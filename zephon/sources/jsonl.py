@@ -21,7 +21,7 @@ import numpy as np
 
 from ..columns import flatten, objects, stack
 from ..errors import DecodeError, SourceError
-from ..jsondoc import loads
+from ..plan.jsondoc import loads
 from ..storage import is_remote, open_blob
 from .array_record_remote import pin
 from .base import Columns, as_indices

@@ -18,7 +18,7 @@ import numpy as np
 
 from zephon.errors import PlanError
 from zephon.exec.loader import LocalBatch, merge_states
-from zephon.plan import Batch
+from zephon.plan import Batching
 from zephon.testing.configs import Segment
 from zephon.testing.pipeline import Builder, Pipeline
 
@@ -316,7 +316,7 @@ def _session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.dtype],
     pipes = [builder(seg.degree, r) for r in range(seg.degree if builder.takes_rank else 1)]
     if batch is not None:
         try:
-            pipes = [replace(p, plan=Batch(p.plan.lanes, batch, remainder=p.plan.remainder)) for p in pipes]
+            pipes = [replace(p, plan=Batching(p.plan.lanes, batch, remainder=p.plan.remainder)) for p in pipes]
         except PlanError as e:
             raise _NotApplicable(str(e)) from e
     try:
