@@ -25,9 +25,9 @@ import numpy as np
 
 from zephon import Filter, Source
 from zephon.exec.loader import LocalBatch
+from zephon.fingerprints import global_fingerprint, lane_digests
 from zephon.plan import Batching
 from zephon.sources.memory import ArraySource
-from zephon.verify import global_fingerprint, lane_digests
 
 RECORDS = 211
 LANES = 8

@@ -23,7 +23,7 @@ import zephon
 from zephon import Filter, Loader, Source
 from zephon.backends import numpy as npb
 from zephon.sources.memory import ArraySource
-import zephon.cli, zephon.runners, zephon.sources, zephon.verify
+import zephon.cli, zephon.runners, zephon.sources, zephon.fingerprints
 import zephon.integrations, zephon.integrations._text   # the trainer integrations' shared core
 l = Loader(Source(10).shuffle(1).repeat().lanes(2).batch(4), ArraySource({{"x": np.arange(10)}}),
            [Filter(lambda c: c["x"] % 3 != 0, batched=True, name="not3")])

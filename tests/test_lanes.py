@@ -23,9 +23,9 @@ from zephon import (
     StateError,
     merge_states,
 )
+from zephon.fingerprints import run_fingerprints
 from zephon.runners import processes, threads
 from zephon.sources.memory import ArraySource
-from zephon.verify import run_fingerprints
 
 N = 701
 

@@ -28,9 +28,9 @@ import zephon as z
 from zephon import testing as zt
 from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError
+from zephon.fingerprints import run_fingerprints
 from zephon.sources.memory import ArraySource
 from zephon.testing import Config, DeterminismError, FactoryError, Pipeline, Segment
-from zephon.verify import run_fingerprints
 
 pytest_plugins = ["pytester"]
 
@@ -140,7 +140,7 @@ def test_a_deterministic_pipeline_passes_degrees_runners_and_resumes():
     rep = zt.assert_elastic(good, steps=STEPS)
     assert [r.name for r in rep.results] == ["numpy D=1 (reference)", "numpy D=2", "numpy D=4", "numpy D=8"]
     assert all(r.status == "identical" and r.steps == STEPS for r in rep.results)
-    # the fingerprints are the ones zephon.verify.run_fingerprints computes
+    # the fingerprints are the ones zephon.fingerprints.run_fingerprints computes
     assert rep.results[0].fingerprints == run_fingerprints([good().loader()], STEPS)
     assert rep.summary() == "good: 4 configurations, 12 steps, all identical"
     zt.assert_runners_agree(good, runners=("threads:2",), steps=STEPS)

@@ -116,7 +116,7 @@ class JaxLoader:
         self._state = self._loader.position()
         self._prefetcher: _Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
-        self._abandoned = False  # a prefetch thread did not stop in time (see zephon.closing)
+        self._abandoned = False  # a prefetch thread did not stop in time (see zephon.runners.closing)
         self._ended: _End | _Failure | None = None
         self._ahead: collections.deque[tuple[JaxBatch, dict[str, Any], LocalBatch]] = collections.deque()
         self._provenance: LocalBatch | None = None

@@ -19,12 +19,12 @@ import numpy as np
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
 from zephon.exec.steps import read_refs
+from zephon.fingerprints import run_fingerprints
 from zephon.ops.base import Accumulator, Operator, Transform, run_transforms
 from zephon.ops.pack import Pack
 from zephon.plan import Batching
 from zephon.plan import Mapping as LaneMapping
 from zephon.runners.base import Runner
-from zephon.verify import run_fingerprints
 
 from .compile import GRAIN_INFINITE, Order, _Compiled, _Config, _Op, compile_pipeline, row_ops, to_grain
 from .iterator import CollatingLoader, Iterator

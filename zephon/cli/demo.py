@@ -16,10 +16,10 @@ import numpy as np
 
 from zephon.checkpoint import load_state, save_state
 from zephon.exec.loader import Loader, merge_states
+from zephon.fingerprints import first_mismatch, run_fingerprints
 from zephon.ops import Filter, Operator
 from zephon.plan import Batching, Source
 from zephon.sources import ArrayRecordSource, FixedFields, write_sharded_array_record
-from zephon.verify import first_mismatch, run_fingerprints
 
 SPEC = FixedFields({"tokens": ("int32", (32,)), "id": ("int64", ())})
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon.accounting import domain_fields
 from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError, check_positive_int
+from zephon.exec.accounting import domain_fields
 from zephon.exec.batch import LocalBatch, check_micro_count
 from zephon.exec.end import AllGather, FiniteEnd, Unemitted
 from zephon.exec.lanes import LaneEngine
@@ -66,7 +66,7 @@ class Loader(FiniteEnd, Resumable):
       telemetry: True (default), False, or a `zephon.Telemetry(log_every=..., progress=...)`:
         what `stats()` reports (stall, stage times, throughput). Never changes the data.
       domains: add per-domain accounting fields to every batch (`source_id`, and for packed
-        rows `tokens_by_source`, `trained_by_source`; see `zephon.accounting`).
+        rows `tokens_by_source`, `trained_by_source`; see `zephon.exec.accounting`).
       all_gather: `[ints] -> every rank's [ints]` through the runtime in use: how ranks agree on
         a finite count-changing plan's end (`zephon.exec.end`; without one, each counts all lanes).
       epoch: the pass over a finite plan (`repeat()`'s order); `set_epoch(e)`; in the state.

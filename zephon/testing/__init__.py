@@ -44,10 +44,7 @@ configurations that use them. One concept a module:
 
 from __future__ import annotations
 
-# The package re-exports every name `zephon.testing` had as one module (private helpers too: tests
-# and the CLI use some), so nothing that imported from it changes.
-# ruff: noqa: F401
-from zephon.report import Report, RunResult  # what verify() returns, as before
+from zephon.fingerprints import Divergence
 from zephon.testing.asserts import (
                                     DeterminismError,
                                     _degrees,
@@ -73,6 +70,11 @@ from zephon.testing.pipeline import (
                                     load_plan,
 )
 from zephon.testing.processes import _free_port, _run_processes, _subprocess_env, _worker, main
+
+# The package re-exports every name `zephon.testing` had as one module (private helpers too: tests
+# and the CLI use some), so nothing that imported from it changes.
+# ruff: noqa: F401
+from zephon.testing.report import Report, RunResult  # what verify() returns, as before
 from zephon.testing.runs import Run, _explain_row, _reference, divergence, run_config, verify
 from zephon.testing.sessions import (
                                     _FAKE_DEVICES,
@@ -96,7 +98,6 @@ from zephon.testing.sessions import (
                                     _torch_to_numpy,
                                     _TorchSession,
 )
-from zephon.verify import Divergence
 
 __all__ = [
                                     "BACKENDS",

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from zephon.report import Report
 from zephon.testing.configs import REFERENCE, Config, Segment, matrix
 from zephon.testing.pipeline import Builder, Factory
+from zephon.testing.report import Report
 from zephon.testing.runs import verify
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from zephon.errors import PlanError
 from zephon.exec.loader import merge_states
+from zephon.fingerprints import LaneRecord, StepRecord, lane_records
 from zephon.testing.configs import Config, Segment
 from zephon.testing.pipeline import Builder
 from zephon.testing.sessions import (
@@ -31,7 +32,6 @@ from zephon.testing.sessions import (
     _torch_columns,
     _torch_round_trip,
 )
-from zephon.verify import LaneRecord, StepRecord, lane_records
 
 
 def _free_port() -> int:

@@ -1,6 +1,6 @@
 """Running configurations and comparing them with the reference (numpy, D=1): `run_config`,
 `divergence` (the first differing step, lane, row and field, with `explain` of that row) and
-`verify`, which runs a list of configurations into a `zephon.report.Report`."""
+`verify`, which runs a list of configurations into a `zephon.testing.report.Report`."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import numpy as np
 
 from zephon.errors import PlanError
 from zephon.exec.loader import LocalBatch
-from zephon.report import Report, RunResult
+from zephon.fingerprints import Divergence, StepRecord, compare_steps, describe_row, lane_records, record_fingerprint
 from zephon.testing.configs import BACKENDS, REFERENCE, Config, end_resume
 from zephon.testing.pipeline import Builder, Factory
 from zephon.testing.processes import _run_processes
+from zephon.testing.report import Report, RunResult
 from zephon.testing.sessions import _NotApplicable, _session
-from zephon.verify import Divergence, StepRecord, compare_steps, describe_row, lane_records, record_fingerprint
 
 
 @dataclass
