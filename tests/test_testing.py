@@ -31,6 +31,7 @@ from zephon.errors import PlanError, StateError
 from zephon.fingerprints import run_fingerprints
 from zephon.sources.memory import ArraySource
 from zephon.testing import Config, DeterminismError, FactoryError, Pipeline, Segment
+from zephon.testing.sessions import runner_from_spec
 
 pytest_plugins = ["pytester"]
 
@@ -100,7 +101,7 @@ def rows_by_lane(factory, world: int, steps: int, runner: str = "inline", builds
     """Per step {lane: {field: rows}} of `world` ranks (the factory is called with world=)."""
     b = zt.Builder(factory)
     pipe = b(world, 0)
-    loaders = [pipe.loader(rank=r, world=world, runner=zt._runner(runner)) for r in range(world)]
+    loaders = [pipe.loader(rank=r, world=world, runner=runner_from_spec(runner)) for r in range(world)]
     out = []
     for _ in range(steps):
         step = {}
