@@ -81,9 +81,9 @@ def test_imports_point_one_way():
 # it imports, at module level and inside functions alike (a function-level import is how a circle
 # hides: it fails only on the path that runs it). Imports under `if TYPE_CHECKING:` never run and
 # are left out; so is a module's import of its own package (a package's __init__ importing its
-# modules, which import each other, is not a circle). Importing `a.b.c` also runs the __init__ of
-# package `a.b`, so that counts as an edge too — except the root `zephon`, the public face that
-# imports everything by design.
+# modules, which import each other, is not a circle) and of the root `zephon`, the public face that
+# imports everything by design (a function may reach `zephon.Loader` through it). An edge goes to
+# the module named, not to the packages on the way.
 LAYERS = (("zephon", "zephon"), ("backends", "zephon.backends"), ("compat", "zephon.compat"))
 
 
@@ -116,11 +116,8 @@ def module_imports(name: str, path: Path, modules: dict[str, Path]) -> tuple[set
     private: list[tuple[str, str, str]] = []
 
     def add(target: str) -> None:
-        parts = target.split(".")
-        for i in range(2, len(parts) + 1):  # the packages on the way run their __init__ too
-            mod = ".".join(parts[:i])
-            if mod in modules and mod != name and not name.startswith(mod + "."):
-                deps.add(mod)
+        if target in modules and target not in (name, "zephon") and not name.startswith(target + "."):
+            deps.add(target)
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):

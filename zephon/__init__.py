@@ -27,15 +27,16 @@ from zephon.ops.base import DEPRECATED as _OPS_DEPRECATED
 from zephon.ops.base import Accumulator, AccumulatorStep, Operator, Transform
 from zephon.ops.filter import Filter, FlatMap
 from zephon.ops.map import Map, RandomMap
+from zephon.pipeline import How, Pipeline, Where
 from zephon.plan import DEPRECATED as _PLAN_DEPRECATED
 from zephon.plan import Batching, BlockShuffle, Lanes, Mix, Node, Plan, Refs, Repeat, Shuffle, Slice, Source
 from zephon.telemetry import Stats, Telemetry
 
 __all__ = [
-    "Accumulator", "AccumulatorStep", "Batching", "BlockShuffle", "DecodeError", "Filter", "FlatMap", "LaneState",
-    "Lanes", "Loader", "LocalBatch", "Map", "Mix", "Node", "Operator", "Plan", "PlanError", "RandomMap", "Refs",
-    "Repeat", "Shuffle", "Slice", "Source", "SourceError", "StateError", "Stats",
-    "Telemetry", "Transform", "WorkerError", "ZephonError", "load_state", "merge_states", "resign_state",
+    "Accumulator", "AccumulatorStep", "Batching", "BlockShuffle", "DecodeError", "Filter", "FlatMap", "How",
+    "LaneState", "Lanes", "Loader", "LocalBatch", "Map", "Mix", "Node", "Operator", "Pipeline", "Plan", "PlanError",
+    "RandomMap", "Refs", "Repeat", "Shuffle", "Slice", "Source", "SourceError", "StateError", "Stats",
+    "Telemetry", "Transform", "Where", "WorkerError", "ZephonError", "load_state", "merge_states", "resign_state",
     "save_state",
 ]
 __version__ = "0.3.0"
