@@ -16,14 +16,15 @@ from zephon.exec.state import LaneState
 from zephon.ops.base import Accumulator, Operator, Step, Transform
 from zephon.ops.filter import Filter, FlatMap
 from zephon.ops.map import Map, RandomMap
+from zephon.pipeline import How, Pipeline, Where
 from zephon.plan import Batch, BlockShuffle, Lanes, Mix, Node, Plan, Refs, Repeat, Shuffle, Skip, Slice, Source, Take
 from zephon.telemetry import Stats, Telemetry
 
 __all__ = [
-    "Accumulator", "Batch", "BlockShuffle", "DecodeError", "Filter", "FlatMap", "LaneState", "Lanes", "Loader",
-    "LocalBatch", "Map", "Mix", "Node", "Operator", "Plan", "PlanError", "RandomMap", "Refs",
+    "Accumulator", "Batch", "BlockShuffle", "DecodeError", "Filter", "FlatMap", "How", "LaneState", "Lanes", "Loader",
+    "LocalBatch", "Map", "Mix", "Node", "Operator", "Pipeline", "Plan", "PlanError", "RandomMap", "Refs",
     "Repeat", "Shuffle", "Skip", "Slice", "Source", "SourceError", "StateError", "Stats", "Step", "Take",
-    "Telemetry", "Transform", "WorkerError", "ZephonError", "load_state", "merge_states", "resign_state",
+    "Telemetry", "Transform", "Where", "WorkerError", "ZephonError", "load_state", "merge_states", "resign_state",
     "save_state",
 ]
 __version__ = "0.3.0"

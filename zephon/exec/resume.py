@@ -33,7 +33,7 @@ class Resumable:
     world: int
     branches: int
     token_mix: bool
-    pipeline: LanePipeline
+    stages: LanePipeline
     random_access: bool
     _ends: dict[int, int | None]
     _shift: int
@@ -130,7 +130,7 @@ class Resumable:
         parsed = [parse(int(l)) for l in self.owned]
         mix = self.plan.lanes.child
         if self.token_mix and isinstance(mix, Mix):
-            check_counters(mix, self.pipeline, step, zip((int(l) for l in self.owned), parsed))
+            check_counters(mix, self.stages, step, zip((int(l) for l in self.owned), parsed))
         if self.plan.lane_offset(step) + shift < 0:
             raise StateError(f"the state's lane_shift {shift} puts step {step} before the lanes' "
                              "first input; the state was edited.")
