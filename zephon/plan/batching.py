@@ -55,14 +55,14 @@ class Batching(Node, kind="Batch"):
 
     def __post_init__(self) -> None:
         if self.remainder not in ("auto", "drop", "pad"):
-            raise PlanError(f"Batch remainder must be 'auto', 'drop' or 'pad', got {self.remainder!r}")
+            raise PlanError(f"Batching remainder must be 'auto', 'drop' or 'pad', got {self.remainder!r}")
         if not isinstance(self.child, Lanes):
-            raise PlanError("Batch must wrap a Lanes node: build plans as "
+            raise PlanError("Batching (the plan's root) must wrap a Lanes node: build plans as "
                             "stream.lanes(L).batch(B) (B divisible by L).")
-        check_int("Batch.size", self.size, 1)
+        check_int("Batching.size", self.size, 1)
         entries = parse_schedule(self.schedule)
         if any(step < 1 for step, _ in entries):
-            raise PlanError(f"Batch.schedule lists changes from step 1 on (Batch.size is step 0's), got "
+            raise PlanError(f"Batching.schedule lists changes from step 1 on (Batching.size is step 0's), got "
                             f"{entries}; build it with .batch(schedule=((0, B0), (k1, B1), ...)).")
         object.__setattr__(self, "schedule", tuple(entries))
         BatchSizes(self.child.count, self.size, self.schedule)  # checks the sizes
