@@ -92,9 +92,9 @@ class Pipeline:
     dataset: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        from zephon.plan import Batch  # the plan algebra; imported here to keep this module light
+        from zephon.plan import Batching  # the plan algebra; imported here to keep this module light
 
-        if not isinstance(self.plan, Batch):
+        if not isinstance(self.plan, Batching):
             raise PlanError(f"Loader needs a complete plan: stream.lanes(L).batch(B) (a Pipeline's plan; "
                             f"got {type(self.plan).__name__}).")
         object.__setattr__(self, "seed", _non_negative(self.seed, "seed"))
@@ -143,9 +143,9 @@ class Pipeline:
         where, how, options = split_old_options("pipeline.loader", where, how, options)
         if self.loader_cls is not None:
             return self.loader_cls(self, where=where, how=how, **options)
-        from zephon.exec.loader import Loader
+        import zephon  # the public face: zephon.exec.loader imports this module, so not back
 
-        return Loader(self, where=where, how=how, **options)
+        return zephon.Loader(self, where=where, how=how, **options)
 
 
 _TRANSFORMS_DEPRECATED = ("{} is deprecated and will be removed in the next version; use {} (ops is the old "
@@ -238,7 +238,8 @@ class How:
     Args:
       runner: `zephon.runners.inline()` (default), `threads(n)` or `processes(n)`: computes
         steps (or lane windows) ahead in parallel. The loader's `close()` closes it.
-      read_ahead: rows one read aims for (default: the operators' hint, else 4096).
+      read_ahead: rows one read aims for (default: the smallest `read_ahead_rows` hint of the
+        operators, else `zephon.exec.steps.READ_AHEAD_ROWS`, 16384).
       telemetry: True, False, or a `zephon.Telemetry(log_every=..., progress=...)`: what
         `stats()` reports (stall, stage times, throughput).
       prefetch: batches an emitter prepares ahead (JAX: on device; torch DataLoader: per worker).

@@ -16,10 +16,10 @@ import grain
 
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
+from zephon.fingerprints import run_fingerprints
 from zephon.ops.base import Transform
 from zephon.pipeline import How, Pipeline, Where, split_old_options
 from zephon.plan import Node
-from zephon.verify import run_fingerprints
 
 from .iterator import CollatingLoader, Iterator
 from .order import ContiguousBatches, GrainIndex, GrainLoaderOrder, GrainSampler

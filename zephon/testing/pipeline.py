@@ -18,7 +18,7 @@ import numpy as np
 
 from zephon.errors import PlanError, ZephonError
 from zephon.pipeline import Pipeline  # what a factory returns; also zephon.testing.Pipeline
-from zephon.plan import Batch, Node
+from zephon.plan import Batching, Node
 from zephon.storage.url import is_remote
 
 
@@ -34,7 +34,7 @@ def as_pipeline(obj: Any, what: str = "the factory") -> Pipeline:
     the pipeline's fields, or a tuple `(plan, sources[, ops])`."""
     if isinstance(obj, Pipeline):
         return obj
-    if isinstance(obj, Batch):
+    if isinstance(obj, Batching):
         return pipeline_from_plan(obj)
     zg = sys.modules.get("zephon.compat.grain")  # loaded if obj can be one of its Datasets
     if zg is not None and isinstance(obj, zg.Dataset):
@@ -48,17 +48,17 @@ def as_pipeline(obj: Any, what: str = "the factory") -> Pipeline:
             raise FactoryError(f"{what} returned a dict with unknown keys {sorted(extra)}; use "
                                "plan, sources, ops, per_source, seed.")
         return as_pipeline(Pipeline(**obj), what)  # "transforms" (ops' old name) warns there
-    if isinstance(obj, tuple) and 2 <= len(obj) <= 3 and isinstance(obj[0], Batch):
+    if isinstance(obj, tuple) and 2 <= len(obj) <= 3 and isinstance(obj[0], Batching):
         return Pipeline(obj[0], obj[1], tuple(obj[2]) if len(obj) == 3 else ())
     raise FactoryError(f"{what} returned {type(obj).__name__}; return a zephon.Pipeline(plan, sources, "
                        "ops), a tuple (plan, sources[, ops]) or a zephon.compat.grain.Dataset ending "
                        "in .batch(B).")
 
 
-def pipeline_from_plan(plan: Batch) -> Pipeline:
+def pipeline_from_plan(plan: Batching) -> Pipeline:
     """A pipeline that loads, for every row, its (source, record) — to verify a plan alone
     (e.g. one saved as JSON), without its data."""
-    from zephon.exec.steps import leaf_sources
+    from zephon.plan.walk import leaf_sources
 
     sources: dict[int, IndexSource] = {0: IndexSource(2 ** 62, 0)}
     for s in leaf_sources(plan):
@@ -91,7 +91,7 @@ class IndexSource:
 Factory = Callable[..., Any] | str | Pipeline
 
 
-def load_plan(text_or_path: str) -> Batch:
+def load_plan(text_or_path: str) -> Batching:
     """A plan from its JSON (a file or the text), Grain-compatible plans included."""
     path = Path(text_or_path)
     if text_or_path.lstrip().startswith("{"):
@@ -130,9 +130,9 @@ def load_plan(text_or_path: str) -> Batch:
             plan = Node.from_json(obj)
     except (TypeError, KeyError, ValueError) as e:
         raise FactoryError(f"{text_or_path} is not a valid plan: {e}") from None
-    if not isinstance(plan, Batch):
+    if not isinstance(plan, Batching):
         raise FactoryError(f"the plan in {text_or_path} is a {type(plan).__name__}, not a complete plan; "
-                           "its root must be a Batch (stream.lanes(L).batch(B)).")
+                           "its root must be a Batching (stream.lanes(L).batch(B)).")
     return plan
 
 
