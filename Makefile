@@ -56,6 +56,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(VENV)/bin/python shuffle_ab.py
 	cd benchmarks && ../$(VENV)/bin/python vlm.py
 	cd benchmarks && ../$(VENV)/bin/python images.py
+	cd benchmarks && ../$(VENV)/bin/python grain_read_ahead.py
 
 .PHONY: experiment
 # Elastic training: a tiny LM trained at D = 1, 2, 4, 8 ranks with three loaders (~13 min on 2 cores);

@@ -16,6 +16,7 @@ from absl import flags
 
 import zephon
 import zephon.compat.grain as zg
+from zephon.exec.steps import READ_AHEAD_ROWS
 from zephon.runners import threads
 
 
@@ -77,7 +78,7 @@ def _filtering_loader(**kw):
 def test_dataloader_extras_are_where_and_how_and_the_old_keywords_warn_for_one_version() -> None:
     """Zephon's extras of the Grain DataLoader are `where=`/`how=`; the old `rank=`, `world=`,
     `runner=`, `read_ahead=` give the same batches with a DeprecationWarning naming the new form;
-    `How(read_ahead=None)` is the Grain transforms' default, an explicit value wins."""
+    `How(read_ahead=None)` is the loader's one default, an explicit value wins."""
     import warnings
 
     with warnings.catch_warnings():
@@ -96,9 +97,9 @@ def test_dataloader_extras_are_where_and_how_and_the_old_keywords_warn_for_one_v
     assert new.where.rank_world() == old.where.rank_world() == (1, 2)  # the shard's, by default
     assert _worker_loader(zg, 0).where.rank_world() == (1, 2)
     assert new.loader().read_ahead == 9
-    assert _worker_loader(zg, 0).loader().read_ahead == zg.GrainTransform.read_ahead_rows  # the one default
+    assert _worker_loader(zg, 0).loader().read_ahead == READ_AHEAD_ROWS  # the core's, the one default
     with pytest.warns(DeprecationWarning, match="READ_AHEAD is deprecated"):
-        assert zg.GrainTransform.read_ahead_rows == zg.READ_AHEAD
+        assert zg.READ_AHEAD == READ_AHEAD_ROWS
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['mesh_dims'\]"):
         _worker_loader(zg, 0, mesh_dims=("data",))
     with pytest.raises(TypeError, match="not both"):

@@ -86,6 +86,7 @@ def test_a_dataset_is_one_zephon_pipeline_and_its_loader_takes_where_and_how() -
     import warnings
 
     import zephon
+    from zephon.exec.steps import READ_AHEAD_ROWS
     from zephon.runners import threads
 
     src = grain.sources.RangeDataSource(0, 200, 1)
@@ -101,7 +102,7 @@ def test_a_dataset_is_one_zephon_pipeline_and_its_loader_takes_where_and_how() -
         assert new.read_ahead == 32 and new.rank == 1
         sharded = ds.shard(1, 2).read_ahead(32).loader()  # the dataset's own knobs are the defaults
         assert [next(sharded).data["x"].tolist() for _ in range(3)] == want
-        assert sharded.read_ahead == 32 and ds.loader().read_ahead == zg.GrainTransform.read_ahead_rows
+        assert sharded.read_ahead == 32 and ds.loader().read_ahead == READ_AHEAD_ROWS  # the core's default
     with pytest.warns(DeprecationWarning, match=r"Dataset\.loader\(rank=\.\.\., world=\.\.\.\) is deprecated and "
                                                  r"will be removed in the next version; use Dataset\.loader\("
                                                  r"zephon\.Where\(rank=\.\.\., world=\.\.\.\)\)"):

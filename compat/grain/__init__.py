@@ -91,7 +91,6 @@ from .transforms import (
     GrainMap,
     GrainMapWithIndex,
     GrainRandomMap,
-    GrainTransform,
     LaneOp,
     grain_map_rng,
     with_collate,
@@ -125,7 +124,6 @@ __all__ = [
     "GrainSampler",
     "GrainShuffle",
     "GrainSource",
-    "GrainTransform",
     "IterDataset",
     "Iterator",
     "LaneOp",
@@ -153,11 +151,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "READ_AHEAD":  # the Grain layer's read-ahead, now its transforms' hint
+    if name == "READ_AHEAD":  # the Grain layer's own read-ahead default (2048) is gone: one default
         import warnings
 
+        from zephon.exec.steps import READ_AHEAD_ROWS
+
         warnings.warn("zephon.compat.grain.READ_AHEAD is deprecated and will be removed in the next version; "
-                      "use zephon.How(read_ahead=...) (the default for Grain transforms is "
-                      "GrainTransform.read_ahead_rows).", DeprecationWarning, stacklevel=2)
-        return GrainTransform.read_ahead_rows
+                      "use zephon.How(read_ahead=None) (the loader's one default, READ_AHEAD_ROWS) or "
+                      "zephon.How(read_ahead=rows).", DeprecationWarning, stacklevel=2)
+        return READ_AHEAD_ROWS
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

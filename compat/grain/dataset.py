@@ -275,8 +275,8 @@ class Dataset(TailMixin):
         return Dataset(self._op, replace(self._config, runner=runner))
 
     def read_ahead(self, rows: int) -> Dataset:
-        """Rows read and transformed ahead in one group (default: `GrainTransform.read_ahead_rows`
-        for Grain transforms, else the loader's); speed only."""
+        """Rows read and transformed ahead in one group (default: the loader's, `zephon.How`);
+        speed only."""
         return Dataset(self._op, replace(self._config, read_ahead=int(rows)))
 
     # --- the plan -------------------------------------------------------------------------------

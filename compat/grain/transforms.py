@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import grain
 import numpy as np
@@ -40,13 +40,6 @@ from .warn import warn_once
 class GrainTransform(Transform):
     """A transform of this package: it passes through a Grain-shaped pipeline as-is, where any
     other Zephon `Transform` is wrapped in `LaneOp` (records stacked into columns for it)."""
-
-    #: Rows a loader reads (and transforms) ahead by default in a Grain-shaped pipeline, instead
-    #: of the core's `READ_AHEAD_ROWS` (`How(read_ahead=None)` means this; an explicit value
-    #: wins). Grain records pass through Python transforms one by one, so large group reads buy
-    #: no throughput and cost latency: the first group, and every restore, waits for the whole
-    #: group. Measured by benchmarks/grain_read_ahead.py (benchmarks/results/grain_read_ahead.json).
-    read_ahead_rows: ClassVar[int] = 2048
 
     def checked_identity(self) -> dict[str, Any]:
         """Grain checkpoints pipelines of lambdas; so does this, saying once what is off."""
@@ -321,10 +314,10 @@ class LaneOp(GrainTransform):
         return self.op.op_name
 
     @property
-    def read_ahead_rows(self) -> int:  # type: ignore[override]
-        """The Grain layer's read-ahead, or the wrapped operator's if it asks for fewer rows."""
-        inner = getattr(self.op, "read_ahead_rows", None)
-        return min(GrainTransform.read_ahead_rows, int(inner)) if inner else GrainTransform.read_ahead_rows
+    def read_ahead_rows(self) -> int | None:
+        """The wrapped operator's read-ahead hint (e.g. an image decoder's fewer rows), if any."""
+        hint = getattr(self.op, "read_ahead_rows", None)
+        return int(hint) if hint else None
 
     @property
     def version(self) -> int:  # type: ignore[override]
