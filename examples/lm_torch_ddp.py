@@ -259,7 +259,7 @@ def main() -> None:
           f"{args.micro_batches} micro-batches per rank-step)")
     print(f"B (1 process, resumed at step {split} from A's checkpoint) vs A: max |loss diff| = {diff:.3g}"
           f"{'  (bit for bit)' if diff == 0 else ''}")
-    print(f"batch sizes: {describe_batches(lm_pipeline(args.out, args)['plan'], args.seq_len)}; "
+    print(f"batch sizes: {describe_batches(lm_pipeline(args.out, args).plan, args.seq_len)}; "
           f"run A's global batches had {run_a['sizes']} rows")
     print(f"{time.perf_counter() - t0:.0f}s; data, checkpoint and logs in {args.out}")
     eval_a, eval_b = (json.loads((args.out / f"eval_{x}.json").read_text()) for x in "AB")
