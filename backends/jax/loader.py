@@ -35,7 +35,7 @@ from zephon.errors import PlanError, WorkerError
 from zephon.exec.loader import Loader, LocalBatch
 from zephon.exec.resize import check_micro_schedule
 from zephon.pipeline import How, Pipeline, Where
-from zephon.plan import Batch
+from zephon.plan import Batching
 from zephon.telemetry import Stats
 from zephon.telemetry import make as telemetry_recorder
 from zephon.telemetry import require as require_telemetry
@@ -91,10 +91,10 @@ class JaxLoader:
                  start_step: int = 0, exclude: Sequence[str] = ()) -> None: ...
 
     @overload  # deprecated: JaxLoader(plan, sources, transforms, mesh=, prefetch=, seed=, ...)
-    def __init__(self, pipeline: Batch, where: Any, how: Sequence[Any] = (), *,
+    def __init__(self, pipeline: Batching, where: Any, how: Sequence[Any] = (), *,
                  start_step: int = 0, exclude: Sequence[str] = (), **old_form: Any) -> None: ...
 
-    def __init__(self, pipeline: Pipeline | Batch | None = None, where: Any = None, how: Any = None, *,
+    def __init__(self, pipeline: Pipeline | Batching | None = None, where: Any = None, how: Any = None, *,
                  start_step: int = 0, exclude: Sequence[str] = (), **old_form: Any) -> None:
         call = read_call("zephon.backends.jax.JaxLoader", pipeline, where, how, old_form)
         no_rest("JaxLoader", call.rest)
@@ -138,7 +138,7 @@ class JaxLoader:
         self._state = self._loader.position()
         self._prefetcher: Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
-        self._abandoned = False  # a prefetch thread did not stop in time (see zephon.closing)
+        self._abandoned = False  # a prefetch thread did not stop in time (see zephon.runners.closing)
         self._ended: End | Failure | None = None
         self._ahead: collections.deque[tuple[JaxBatch, dict[str, Any], LocalBatch]] = collections.deque()
         self._provenance: LocalBatch | None = None

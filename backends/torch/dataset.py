@@ -25,7 +25,7 @@ from zephon.errors import PlanError, StateError
 from zephon.exec.loader import Loader
 from zephon.exec.resize import check_micro_schedule
 from zephon.pipeline import How, Pipeline, Where
-from zephon.plan import Batch
+from zephon.plan import Batching
 from zephon.runners.base import Runner
 
 
@@ -94,10 +94,10 @@ class ZephonIterableDataset(IterableDataset):
                  start_step: int = 0, dtypes: Mapping[str, Any] | None = None) -> None: ...
 
     @overload  # deprecated: ZephonIterableDataset(plan, sources, transforms, seed=, rank=, world=, ...)
-    def __init__(self, pipeline: Batch, where: Any, how: Sequence[Any] = (), *,
+    def __init__(self, pipeline: Batching, where: Any, how: Sequence[Any] = (), *,
                  start_step: int = 0, dtypes: Mapping[str, Any] | None = None, **old_form: Any) -> None: ...
 
-    def __init__(self, pipeline: Pipeline | Batch | None = None, where: Any = None, how: Any = None, *,
+    def __init__(self, pipeline: Pipeline | Batching | None = None, where: Any = None, how: Any = None, *,
                  start_step: int = 0, dtypes: Mapping[str, Any] | None = None, **old_form: Any) -> None:
         call = read_call("zephon.backends.torch.ZephonIterableDataset", pipeline, where, how, old_form)
         no_rest("ZephonIterableDataset", call.rest)

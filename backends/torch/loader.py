@@ -19,7 +19,7 @@ from zephon.backends.torch.state import state_document
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader, LocalBatch
 from zephon.pipeline import How, Pipeline, Where
-from zephon.plan import Batch
+from zephon.plan import Batching
 from zephon.sources.base import RecordSource
 from zephon.telemetry import Stats
 from zephon.telemetry import make as telemetry_recorder
@@ -64,11 +64,11 @@ class TorchLoader:
                  device: str | torch.device | None = None) -> None: ...
 
     @overload  # deprecated: TorchLoader(plan, sources, transforms, seed=, rank=, world=, mesh_dims=, ...)
-    def __init__(self, pipeline: Batch, where: Any, how: Sequence[Any] = (), *,
+    def __init__(self, pipeline: Batching, where: Any, how: Sequence[Any] = (), *,
                  start_step: int = 0, dtypes: Mapping[str, Any] | None = None, pin_memory: bool = False,
                  device: str | torch.device | None = None, **old_form: Any) -> None: ...
 
-    def __init__(self, pipeline: Pipeline | Batch | None = None, where: Any = None, how: Any = None, *,
+    def __init__(self, pipeline: Pipeline | Batching | None = None, where: Any = None, how: Any = None, *,
                  start_step: int = 0, dtypes: Mapping[str, Any] | None = None, pin_memory: bool = False,
                  device: str | torch.device | None = None, **old_form: Any) -> None:
         call = read_call("zephon.backends.torch.TorchLoader", pipeline, where, how, old_form,

@@ -1,6 +1,6 @@
 """The end of a finite plan: the step every data-parallel rank stops at, known before it comes.
 
-With one-to-one pipelines the end follows from the algebra (`Batch.num_steps`). A pipeline that
+With one-to-one pipelines the end follows from the algebra (`Batching.num_steps`). A pipeline that
 changes the number of records (filter, tokenize + pack, a mix by tokens) makes it depend on the
 data, and a rank runs only its own lanes — if each stopped when its own lanes ran out, ranks
 would disagree on the last step (a hang in the first collective of data-parallel training). So a
@@ -40,7 +40,7 @@ from zephon.exec.pipeline import LanePipeline
 from zephon.exec.state import LaneState
 from zephon.exec.steps import StepTask
 from zephon.exec.windows import take_rows
-from zephon.plan import Batch, Mix, Refs
+from zephon.plan import Batching, Mix, Refs
 from zephon.sources.base import Columns, RecordSource
 from zephon.telemetry import TOKEN_FIELDS, count_tokens
 
@@ -189,7 +189,7 @@ class FiniteEnd:
     """Mixed into `Loader`: the steps of a count-changing pipeline up to the plan's end, padding
     where lanes ran out; `end_step()`, `len()` and `set_epoch()`."""
 
-    plan: Batch
+    plan: Batching
     sources: Mapping[int, RecordSource]
     stages: LanePipeline
     owned: np.ndarray

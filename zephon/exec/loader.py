@@ -17,10 +17,9 @@ from typing import Any, overload
 
 import numpy as np
 
-from zephon.accounting import domain_fields
-from zephon.blockshuffle import follow_blocks, resolve_blocks
 from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError, check_positive_int
+from zephon.exec.accounting import domain_fields
 from zephon.exec.batch import LocalBatch, check_micro_count
 from zephon.exec.end import FiniteEnd, Unemitted
 from zephon.exec.lanes import LaneEngine
@@ -29,10 +28,12 @@ from zephon.exec.pipeline import LanePipeline
 from zephon.exec.resize import check_micro_schedule
 from zephon.exec.resume import Resumable
 from zephon.exec.state import LaneState, check_state, merge_states
-from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps, leaf_sources, plan_nodes
+from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps
 from zephon.ops.base import JSON, Operator, run_transforms
 from zephon.pipeline import How, Pipeline, Where, split_old_form
-from zephon.plan import Batch, Mix, Refs
+from zephon.plan import Batching, Mix, Refs
+from zephon.plan.blockshuffle import follow_blocks, resolve_blocks
+from zephon.plan.walk import leaf_sources, plan_nodes
 from zephon.sources.base import Columns
 from zephon.telemetry import StageSink, Stats, Telemetry
 from zephon.telemetry import make as telemetry_recorder
@@ -58,7 +59,7 @@ class Loader(FiniteEnd, Resumable):
     The old form `Loader(plan, sources, transforms, seed=, rank=, world=, runner=, ...)` works
     for this version with a `DeprecationWarning` naming the new one.
 
-    A finite plan ends at the same step on every rank (`Batch.remainder`); `len()`: steps left.
+    A finite plan ends at the same step on every rank (`Batching.remainder`); `len()`: steps left.
     """
 
     @overload
@@ -66,10 +67,10 @@ class Loader(FiniteEnd, Resumable):
                  start_step: int = 0, epoch: int = 0, end: int | None = None) -> None: ...
 
     @overload  # deprecated: Loader(plan, sources, transforms, seed=, rank=, world=, runner=, ...)
-    def __init__(self, pipeline: Batch, where: Any, how: Sequence[Any] = (), *,
+    def __init__(self, pipeline: Batching, where: Any, how: Sequence[Any] = (), *,
                  start_step: int = 0, epoch: int = 0, end: int | None = None, **old_form: Any) -> None: ...
 
-    def __init__(self, pipeline: Pipeline | Batch, where: Any = None, how: Any = None, *,
+    def __init__(self, pipeline: Pipeline | Batching, where: Any = None, how: Any = None, *,
                  start_step: int = 0, epoch: int = 0, end: int | None = None, **old_form: Any) -> None:
         if not isinstance(pipeline, Pipeline):  # Loader(plan, sources, transforms, **options)
             start_step = old_form.pop("start_step", start_step)
@@ -94,7 +95,7 @@ class Loader(FiniteEnd, Resumable):
         lanes, all_gather = where.lanes, where.all_gather
         runner, read_ahead, telemetry = how.runner, how.read_ahead, how.telemetry
         micro_batches, domains = how.micro_batches, how.domains
-        if not isinstance(plan, Batch):
+        if not isinstance(plan, Batching):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         self.sources = as_source_map(sources)
         plan = resolve_blocks(plan, self.sources)  # block_shuffle(block="auto"): the sources' unit
@@ -152,7 +153,7 @@ class Loader(FiniteEnd, Resumable):
         #: Whether batches are random access (every lane position is `step × B/L`).
         self.random_access = self.stages.one_to_one and not self.token_mix
         self.one_to_one = self.random_access
-        if plan.remainder == "auto":  # pad where lanes run out at different steps (see Batch)
+        if plan.remainder == "auto":  # pad where lanes run out at different steps (see Batching)
             self.plan = plan = dataclasses.replace(
                 plan, remainder="pad" if not self.random_access and self.finite else "drop")
         #: what the plan's end leaves unemitted in an epoch (`remainder="drop"`), once known

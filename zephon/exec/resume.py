@@ -21,13 +21,13 @@ from zephon.exec.schedule import check_counters
 from zephon.exec.state import LaneState, check_state
 from zephon.exec.steps import StepTask
 from zephon.ops.base import identity_diff
-from zephon.plan import Batch, Mix, plan_diff
+from zephon.plan import Batching, Mix, plan_diff
 
 
 class Resumable:
     """`restore()` and `seek_position()` of `Loader`."""
 
-    plan: Batch
+    plan: Batching
     owned: np.ndarray
     rank: int
     world: int
@@ -53,7 +53,7 @@ class Resumable:
         A state saved under another global batch size (or schedule) of the same plan is
         refused, naming both, unless `allow_batch_change=True`: then every lane continues
         exactly where it stopped — no record skipped or repeated — and the batches from the
-        saved step on are this plan's sizes (`zephon.batchsize`).
+        saved step on are this plan's sizes (`zephon.plan.batchsizes`).
         """
         check_state(state)
         mine = self.identity()
