@@ -205,16 +205,10 @@ def _outer(name: str) -> bool:
 
 #: backends/ and compat/ are being fixed on another branch (issue 40): once it is merged and
 #: these pass, delete this mark — strict, so an unexpected pass fails and says so.
-FIX_BACKENDS_COMPAT = pytest.mark.xfail(
-    strict=True, reason="backends/compat: circles and private imports fixed on another branch; "
-                        "remove FIX_BACKENDS_COMPAT once they pass")
-PARTS = [pytest.param("core", id="core"),
-         pytest.param("backends+compat", id="backends+compat", marks=FIX_BACKENDS_COMPAT)]
-#: compat's circle (dataset <-> iterdata <-> pipeline) is gone; backends had none
-CIRCLE_PARTS = [pytest.param("core", id="core"), pytest.param("backends+compat", id="backends+compat")]
+PARTS = [pytest.param("core", id="core"), pytest.param("backends+compat", id="backends+compat")]
 
 
-@pytest.mark.parametrize("part", CIRCLE_PARTS)
+@pytest.mark.parametrize("part", PARTS)
 def test_no_import_circle(part):
     """No module imports itself through others — module-level and function-level imports."""
     graph, _ = module_graph()

@@ -344,29 +344,31 @@ class Dataset(TailMixin):
         """A `zephon.backends.jax.JaxLoader` over this pipeline: sharded global `jax.Array`s.
 
         The process's rows come from the mesh, not from `shard()`. Bytes/str fields are object
-        arrays; drop them with `exclude=[...]` or decode them in a map.
+        arrays; drop them with `exclude=[...]` or decode them in a map. Other keywords: `where=` /
+        `how=`, or their fields (`prefetch=`, `telemetry=`, ...), and `start_step=`.
         """
         from zephon.backends.jax import JaxLoader
-        c = self._check_backend("to_jax")
-        return JaxLoader(c.plan, c.sources, c.transforms, mesh=mesh,
-                         batch_axes=batch_axes, runner=self._config.runner, **kwargs)
+        self._check_backend("to_jax")
+        where, how, rest = self._backend_groups(kwargs, mesh=mesh, batch_axes=batch_axes)
+        return JaxLoader(self.pipeline(), where, how, **rest)
 
     def to_torch(self, **kwargs: Any) -> Any:
         """A `zephon.backends.torch.TorchLoader` over this pipeline (`shard()` gives rank/world;
-        otherwise torch.distributed's)."""
+        otherwise torch.distributed's). Keywords: `where=` / `how=` or their fields, and
+        `TorchLoader`'s own (`dtypes=`, `pin_memory=`, `device=`, `start_step=`)."""
         from zephon.backends.torch import TorchLoader
-        c = self._check_backend("to_torch")
-        return TorchLoader(c.plan, c.sources, c.transforms, runner=self._config.runner,
-                           **self._shard_kwargs(kwargs))
+        self._check_backend("to_torch")
+        where, how, rest = self._backend_groups(kwargs, **self._shard())
+        return TorchLoader(self.pipeline(), where, how, **rest)
 
     def to_torch_dataset(self, **kwargs: Any) -> Any:
         """A `zephon.backends.torch.ZephonIterableDataset` over this pipeline, for
         `ZephonDataLoader(dataset, num_workers=...)` (`shard()` gives rank/world; otherwise
         torch.distributed's)."""
         from zephon.backends.torch import ZephonIterableDataset
-        c = self._check_backend("to_torch_dataset")
-        return ZephonIterableDataset(c.plan, c.sources, c.transforms, runner=self._config.runner,
-                                     **self._shard_kwargs(kwargs))
+        self._check_backend("to_torch_dataset")
+        where, how, rest = self._backend_groups(kwargs, **self._shard())
+        return ZephonIterableDataset(self.pipeline(), where, how, **rest)
 
     def __iter__(self) -> Any:
         if self._tail is not None:

@@ -8,6 +8,7 @@ worker counts as a Zephon runner: `options_runner`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pickle
 from dataclasses import replace
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import grain
 
 from zephon.errors import PlanError
+from zephon.pipeline import How, Where
 from zephon.runners import processes, threads
 from zephon.runners.base import Runner
 
@@ -26,6 +28,9 @@ from .warn import warn_once
 
 if TYPE_CHECKING:
     from .dataset import Dataset
+
+_WHERE_FIELDS = frozenset(f.name for f in dataclasses.fields(Where))
+_HOW_FIELDS = frozenset(f.name for f in dataclasses.fields(How))
 
 
 class TailMixin:
@@ -117,12 +122,26 @@ class TailMixin:
                             "records instead.")
         return c
 
-    def _shard_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _backend_groups(self, kwargs: dict[str, Any], **where: Any) -> tuple[Where, How, dict[str, Any]]:
+        """An emitter's `(where, how, rest)` from `to_jax`/`to_torch` keywords: `where=`/`how=`
+        as given, else built from the loose keywords (`rank=`, `mesh=`, `prefetch=`, ...) over
+        `where`'s defaults and the dataset's `runner()`/`read_ahead()`; `rest` is the emitter's own."""
+        if "mesh_dims" in kwargs:  # torch's old name
+            kwargs["batch_axes"] = kwargs.pop("mesh_dims")
+        wk = {k: kwargs.pop(k) for k in list(kwargs) if k in _WHERE_FIELDS}
+        hk = {k: kwargs.pop(k) for k in list(kwargs) if k in _HOW_FIELDS}
+        w, h = kwargs.pop("where", None), kwargs.pop("how", None)
+        if (w is not None and wk) or (h is not None and hk):
+            raise PlanError(f"pass where=/how= or the keywords {sorted({**wk, **hk})}, not both")
+        if w is None:
+            w = Where(**({**where, **wk} if not wk.keys() & {"mesh", "sharding", "rank", "world"} else wk))
+        if h is None:
+            h = How(**{"runner": self._config.runner, "read_ahead": self._config.read_ahead, **hk})
+        return w, h, kwargs
+
+    def _shard(self) -> dict[str, Any]:
         """A torch emitter's rank/world: the dataset's `shard()`, else torch.distributed's."""
-        if self._config.world is not None:
-            kwargs.setdefault("rank", self._config.rank)
-            kwargs.setdefault("world", self._config.world)
-        return kwargs
+        return {} if self._config.world is None else {"rank": self._config.rank, "world": self._config.world}
 
     def _read_options(self, read_options: Any) -> Dataset:
         """Grain's `ReadOptions(num_threads=n)`: a Zephon threads runner of n workers."""

@@ -21,6 +21,7 @@ import numpy as np
 from zephon.errors import PlanError
 from zephon.exec.loader import merge_states
 from zephon.fingerprints import LaneRecord, StepRecord, lane_records
+from zephon.pipeline import How
 from zephon.testing.configs import Config, Segment
 from zephon.testing.pipeline import Builder, backend_refusal
 from zephon.testing.sessions import (
@@ -162,8 +163,7 @@ def _worker(args: dict[str, Any]) -> None:
                 why = degree_problem(pipe, procs) or backend_refusal(pipe)
                 if why:
                     raise NotApplicable(why)
-                loader = TorchLoader(pipe.plan, pipe.sources, pipe.ops, runner=runner_from_spec(seg.runner),
-                                     seed=pipe.seed, per_source=pipe.per_source)  # rank/world: gloo's
+                loader = TorchLoader(pipe, how=How(runner=runner_from_spec(seg.runner)))  # rank/world: gloo's
             except (PlanError, NotApplicable) as e:
                 Path(args["out"]).write_text(json.dumps({"not_applicable": str(e)}))
                 return

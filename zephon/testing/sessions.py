@@ -195,16 +195,14 @@ class _TorchSession(_Session):
         self.iters: list[Any] = []
         for r, p in enumerate(pipes):
             if seg.workers:
-                ds = ZephonIterableDataset(p.plan, p.sources, p.ops, rank=r, world=seg.world,
-                                           runner=runner_from_spec(seg.runner), seed=p.seed, per_source=p.per_source)
+                ds = ZephonIterableDataset(p, Where(rank=r, world=seg.world), How(runner=runner_from_spec(seg.runner)))
                 # fork after JAX started its threads can deadlock: then start workers clean
                 ctx = "forkserver" if "jax" in sys.modules else None
                 self.loaders.append(ZephonDataLoader(ds, num_workers=seg.workers,
                                                      multiprocessing_context=ctx))
             else:
-                self.loaders.append(TorchLoader(p.plan, p.sources, p.ops, rank=r,
-                                                world=seg.world, runner=runner_from_spec(seg.runner),
-                                                seed=p.seed, per_source=p.per_source))
+                self.loaders.append(TorchLoader(p, Where(rank=r, world=seg.world),
+                                                How(runner=runner_from_spec(seg.runner))))
         self.owned = [p.plan.lanes.owned(r, seg.world) for r, p in enumerate(pipes)]
 
     def _iter(self, r: int) -> Any:
@@ -283,9 +281,8 @@ class JaxSession(_Session):
         self.excluded = sorted(k for k, d in ref_dtypes.items()
                                if d.kind in "OUS" or (d.kind == "V" and not jax_holds_dtype(d)))
         self.plan = pipe.plan
-        self.loader = JaxLoader(pipe.plan, pipe.sources, pipe.ops, mesh=mesh,
-                                batch_axes=names, exclude=self.excluded, runner=runner_from_spec(seg.runner),
-                                seed=pipe.seed, per_source=pipe.per_source)
+        self.loader = JaxLoader(pipe, Where(mesh=mesh, batch_axes=names), How(runner=runner_from_spec(seg.runner)),
+                                exclude=self.excluded)
         self.owned = pipe.plan.lanes.owned(self.loader.layout.rank, self.loader.layout.world)
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
