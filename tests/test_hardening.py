@@ -662,7 +662,7 @@ def test_rows_kept_for_drifting_lanes_stay_bounded():
     got, kept, spread = [], [], 0
     for _ in range(2400):
         got.append(next(l))
-        eng = l._engine
+        eng = l.engine.lane_engine
         kept.append(sum(int(w.bounds[-1]) for p in eng.pending for w in p))
         cur = np.array([st.cursor for st in eng.states])
         spread = max(spread, int((cur.max(0) - cur.min(0)).max()))

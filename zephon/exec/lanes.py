@@ -27,6 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,6 +53,37 @@ log = logging.getLogger(__name__)
 #: Pending windows per branch whose columns may stay in a runner's shared memory (older ones are
 #: copied out: see `LaneEngine._use`).
 _SHARED_WINDOWS = 3
+
+
+@dataclass(frozen=True, eq=False)
+class LaneRun:
+    """What runs in a loader's lanes — plan, record sources, lane pipeline, owned lanes, seed,
+    read-ahead — everything a `LaneEngine` needs except where the lanes stand. A loader's lane
+    core runs one engine from it; counting a finite plan's end (`zephon.exec.end`) runs more."""
+
+    plan: Batch
+    sources: Mapping[int, RecordSource]
+    stages: LanePipeline
+    owned: np.ndarray
+    seed: int
+    read_ahead: int
+    branches: int  # source branches: a token mix reads each of its sources' lane streams apart
+
+    @property
+    def token_mix(self) -> bool:
+        """Whether lanes follow a mix by tokens (its counters are part of a lane's state)."""
+        return self.branches > 1
+
+    def start_states(self, lanes: np.ndarray | None = None) -> list[LaneState]:
+        """Every lane (of `lanes`, default the owned ones) at its first input."""
+        return [LaneState.start(self.branches, 0, self.token_mix)
+                for _ in (self.owned if lanes is None else lanes)]
+
+    def engine(self, lanes: np.ndarray, states: Sequence[LaneState], step: int, epoch: int,
+               runner: Runner | None = None, read_ahead: int | None = None) -> LaneEngine:
+        """A `LaneEngine` of `lanes` from `states` at `step` of pass `epoch`."""
+        return LaneEngine(self.plan, self.sources, self.stages, lanes, self.seed, runner,
+                          self.read_ahead if read_ahead is None else read_ahead, states, step, epoch)
 
 
 # --- the engine: the sequential part -------------------------------------------------------------
