@@ -124,14 +124,17 @@ class Loader:
 
     @property
     def seed(self) -> int:
+        """Seeds data-derived randomness (`Pipeline.seed`)."""
         return self.engine.seed
 
     @property
     def rank(self) -> int:
+        """This process's data-parallel rank."""
         return self.engine.rank
 
     @property
     def world(self) -> int:
+        """The data-parallel degree."""
         return self.engine.world
 
     @property
@@ -141,6 +144,7 @@ class Loader:
 
     @property
     def all_gather(self) -> AllGather | None:
+        """How ranks agree on a finite count-changing plan's end (`Where.all_gather`)."""
         return self.engine.all_gather
 
     @property
@@ -155,6 +159,7 @@ class Loader:
 
     @property
     def token_mix(self) -> bool:
+        """Whether lanes follow a mix by tokens."""
         return self.engine.token_mix
 
     @property
@@ -169,6 +174,7 @@ class Loader:
 
     @property
     def runner(self) -> Runner | None:
+        """The runner computing steps or windows ahead (`How.runner`)."""
         return self.engine.runner
 
     @property
