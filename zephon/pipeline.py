@@ -201,7 +201,8 @@ class How:
     Args:
       runner: `zephon.runners.inline()` (default), `threads(n)` or `processes(n)`: computes
         steps (or lane windows) ahead in parallel. The loader's `close()` closes it.
-      read_ahead: rows one read aims for (default: the operators' hint, else 4096).
+      read_ahead: rows one read aims for (default: the smallest `read_ahead_rows` hint of the
+        operators, else `zephon.exec.steps.READ_AHEAD_ROWS`, 16384).
       telemetry: True, False, or a `zephon.Telemetry(log_every=..., progress=...)`: what
         `stats()` reports (stall, stage times, throughput).
       prefetch: batches an emitter prepares ahead (JAX: on device; torch DataLoader: per worker).
