@@ -66,25 +66,7 @@ class Engine:
         #: `{Source id: record source}`
         self.sources: dict[int, RecordSource] = as_source_map(sources)
         plan = resolve_blocks(plan, self.sources)  # block_shuffle(block="auto"): the sources' unit
-        for s in leaf_sources(plan):
-            if s.id not in self.sources:
-                raise PlanError(f"the plan reads Source id {s.id} ({s.name or 'unnamed'}) but no record "
-                                f"source was given for it; pass sources as a list or {{id: source}}.")
-            if len(self.sources[s.id]) < s.size:
-                raise PlanError(f"Source id {s.id} declares {s.size} records but its record source "
-                                f"has {len(self.sources[s.id])}; build the plan from len(source).")
-        if isinstance(plan.lanes.child, Mix) is False and any(
-                isinstance(n, Mix) and n.sequential for n in plan_nodes(plan)):
-            raise PlanError("a Mix by tokens (or stop='all') must be the direct child of .lanes(L).")
-        for sid, src in self.sources.items():
-            if not callable(getattr(src, "read", None)):
-                hint = ("it has __len__ and __getitem__ (a Grain/torch-style source): wrap it in "
-                       "zephon.compat.grain.GrainSource (records in one column, for Grain-style "
-                       "transforms), or give it read(indices) -> {field: array}" if
-                       hasattr(src, "__getitem__") and hasattr(src, "__len__") else
-                       "give it __len__ and read(indices) -> {field: array}")
-                raise PlanError(f"source {sid} ({type(src).__name__}) is not a Zephon record source: "
-                                f"{hint} (e.g. zephon.sources.ArraySource for arrays in memory).")
+        _check_sources(plan, self.sources)
         #: how many source ids the plan reads (ids 0..n-1; per-domain accounting)
         self.n_sources = max((s.id for s in leaf_sources(plan)), default=0) + 1
         #: the lane pipeline: per-source and row operators, the accumulator, one-to-one operators after it
@@ -340,6 +322,30 @@ class Engine:
         else:
             assert self.lane_core is not None
             self.lane_core.end.restart()
+
+
+def _check_sources(plan: Batch, sources: Mapping[int, RecordSource]) -> None:
+    """Refuses a plan whose sources are missing, shorter than it declares or not Zephon record
+    sources, and a token mix that is not the direct child of `.lanes(L)`, naming the fix."""
+    for s in leaf_sources(plan):
+        if s.id not in sources:
+            raise PlanError(f"the plan reads Source id {s.id} ({s.name or 'unnamed'}) but no record "
+                            f"source was given for it; pass sources as a list or {{id: source}}.")
+        if len(sources[s.id]) < s.size:
+            raise PlanError(f"Source id {s.id} declares {s.size} records but its record source "
+                            f"has {len(sources[s.id])}; build the plan from len(source).")
+    if isinstance(plan.lanes.child, Mix) is False and any(
+            isinstance(n, Mix) and n.sequential for n in plan_nodes(plan)):
+        raise PlanError("a Mix by tokens (or stop='all') must be the direct child of .lanes(L).")
+    for sid, src in sources.items():
+        if not callable(getattr(src, "read", None)):
+            hint = ("it has __len__ and __getitem__ (a Grain/torch-style source): wrap it in "
+                   "zephon.compat.grain.GrainSource (records in one column, for Grain-style "
+                   "transforms), or give it read(indices) -> {field: array}" if
+                   hasattr(src, "__getitem__") and hasattr(src, "__len__") else
+                   "give it __len__ and read(indices) -> {field: array}")
+            raise PlanError(f"source {sid} ({type(src).__name__}) is not a Zephon record source: "
+                            f"{hint} (e.g. zephon.sources.ArraySource for arrays in memory).")
 
 
 def _check_picklable(ops: Sequence[Any]) -> None:
