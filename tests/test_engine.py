@@ -20,7 +20,7 @@ THIRD = z.Filter(lambda c: c["x"] % 3 != 0, name="third", version=1)
 
 
 def _docs(n):
-    from zephon.columns import objects
+    from zephon.sources.columns import objects
 
     rng = np.random.default_rng(0)
     return ArraySource({"tokens": objects([rng.integers(1, 1000, rng.integers(5, 90), dtype=np.int32)

@@ -91,9 +91,9 @@ class Pipeline:
     dataset: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        from zephon.plan import Batch  # the plan algebra; imported here to keep this module light
+        from zephon.plan import Batching  # the plan algebra; imported here to keep this module light
 
-        if not isinstance(self.plan, Batch):
+        if not isinstance(self.plan, Batching):
             raise PlanError(f"Loader needs a complete plan: stream.lanes(L).batch(B) (a Pipeline's plan; "
                             f"got {type(self.plan).__name__}).")
         object.__setattr__(self, "seed", _non_negative(self.seed, "seed"))
@@ -131,9 +131,9 @@ class Pipeline:
         """A numpy `zephon.Loader` of this pipeline (its own loader class for Grain pipelines)."""
         if self.loader_cls is not None:
             return self.loader_cls(self, where=where, how=how, **options)
-        from zephon.exec.loader import Loader
+        import zephon  # the public face: zephon.exec.loader imports this module, so not back
 
-        return Loader(self, where=where, how=how, **options)
+        return zephon.Loader(self, where=where, how=how, **options)
 
 
 def _non_negative(v: Any, what: str, minimum: int = 0) -> int:

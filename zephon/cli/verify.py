@@ -107,8 +107,8 @@ def verify_configs(args: argparse.Namespace) -> list[Any]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from zephon.report import write_heatmap
     from zephon.testing import Builder, verify
+    from zephon.testing.report import write_heatmap
 
     if args.steps < 2:
         raise UsageError(f"--steps {args.steps}: run at least 2 steps")

@@ -1,6 +1,6 @@
 """The end of a finite plan: the step every data-parallel rank stops at, known before it comes.
 
-With one-to-one pipelines the end follows from the algebra (`Batch.num_steps`). A pipeline that
+With one-to-one pipelines the end follows from the algebra (`Batching.num_steps`). A pipeline that
 changes the number of records (filter, tokenize + pack, a mix by tokens) makes it depend on the
 data, and a rank runs only its own lanes — if each stopped when its own lanes ran out, ranks
 would disagree on the last step (a hang in the first collective of data-parallel training). So a
@@ -37,7 +37,7 @@ from zephon.exec.lanes import LaneEngine, LaneRun
 from zephon.exec.padding import Schema, blank_rows, schema_of
 from zephon.exec.state import LaneState
 from zephon.exec.windows import take_rows
-from zephon.plan import Batch, Mix, Refs
+from zephon.plan import Batching, Mix, Refs
 from zephon.sources.base import Columns
 from zephon.telemetry import TOKEN_FIELDS, count_tokens
 
@@ -179,7 +179,7 @@ def unemitted_at(local: LocalEnd, step: int, end: int, epoch: int, batch_rows: i
     return Unemitted(epoch, r, t, tr, tt, batch_rows, undealt)
 
 
-def lanes_finite(plan: Batch, owned: np.ndarray, branches: int) -> bool:
+def lanes_finite(plan: Batching, owned: np.ndarray, branches: int) -> bool:
     """Whether the lanes `owned` of a count-changing plan end (a mix: when its `stop` rule ends)."""
     limits = [plan.lanes.lane_limits(owned, b, plan.pad) for b in range(branches)]
     mix = plan.lanes.child

@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from zephon.blockshuffle import follow_blocks, resolve_blocks
 from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.cores import LaneCore, RandomAccessCore, Rows
@@ -34,9 +33,11 @@ from zephon.exec.lanes import LaneEngine, LaneRun
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.resize import check_micro_schedule
 from zephon.exec.resume import Resume
-from zephon.exec.steps import READ_AHEAD_ROWS, Sink, StepTask, as_source_map, leaf_sources, plan_nodes
+from zephon.exec.steps import READ_AHEAD_ROWS, Sink, StepTask, as_source_map
 from zephon.pipeline import How, Pipeline, Where
-from zephon.plan import Batch, Mix, Refs
+from zephon.plan import Batching, Mix, Refs
+from zephon.plan.blockshuffle import follow_blocks, resolve_blocks
+from zephon.plan.walk import leaf_sources, plan_nodes
 from zephon.sources.base import Columns, RecordSource
 
 T = TypeVar("T")
@@ -61,7 +62,7 @@ class Engine:
         rank, world = where.rank_world()
         lanes, all_gather = where.lanes, where.all_gather
         runner, read_ahead, micro_batches = how.runner, how.read_ahead, how.micro_batches
-        if not isinstance(plan, Batch):
+        if not isinstance(plan, Batching):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         #: `{Source id: record source}`
         self.sources: dict[int, RecordSource] = as_source_map(sources)
@@ -97,11 +98,11 @@ class Engine:
         self.token_mix = self.branches > 1
         #: whether batches are random access (every lane position is `step × B/L`)
         self.random_access = self.stages.one_to_one and not self.token_mix
-        if plan.remainder == "auto":  # pad where lanes run out at different steps (see Batch)
+        if plan.remainder == "auto":  # pad where lanes run out at different steps (see Batching)
             pad = not self.random_access and lanes_finite(plan, self.owned, self.branches)
             plan = dataclasses.replace(plan, remainder="pad" if pad else "drop")
         #: the complete plan (block sizes resolved, `remainder` decided)
-        self.plan: Batch = plan
+        self.plan: Batching = plan
         self.runner = runner
         # an operator whose rows are costly (a decoded image) may ask for fewer rows per read
         hints = [getattr(t, "read_ahead_rows", None) for t in self.stages.ops]
@@ -324,7 +325,7 @@ class Engine:
             self.lane_core.end.restart()
 
 
-def _check_sources(plan: Batch, sources: Mapping[int, RecordSource]) -> None:
+def _check_sources(plan: Batching, sources: Mapping[int, RecordSource]) -> None:
     """Refuses a plan whose sources are missing, shorter than it declares or not Zephon record
     sources, and a token mix that is not the direct child of `.lanes(L)`, naming the fix."""
     for s in leaf_sources(plan):

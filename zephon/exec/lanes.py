@@ -47,7 +47,7 @@ from zephon.exec.schedule import TokenSchedule
 from zephon.exec.state import LaneState
 from zephon.exec.steps import Sink
 from zephon.exec.windows import LaneItem, Window, WindowTask, privatize, rematerialize, window_size
-from zephon.plan import Batch, Mix
+from zephon.plan import Batching, Mix
 from zephon.sources.base import Columns, RecordSource
 
 if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
@@ -233,7 +233,7 @@ class LaneRun:
     read-ahead — everything a `LaneEngine` needs except where the lanes stand. A loader's lane
     core runs one engine from it; counting a finite plan's end (`zephon.exec.end`) runs more."""
 
-    plan: Batch
+    plan: Batching
     sources: Mapping[int, RecordSource]
     stages: LanePipeline
     owned: np.ndarray
@@ -268,7 +268,7 @@ class LaneEngine:
     whose inputs ran out pads its rows (invalid) until every owned lane ran out.
     """
 
-    def __init__(self, plan: Batch, sources: Mapping[int, RecordSource], pipeline: LanePipeline,
+    def __init__(self, plan: Batching, sources: Mapping[int, RecordSource], pipeline: LanePipeline,
                  owned: np.ndarray, seed: int, runner: Runner | None, read_ahead: int,
                  states: Sequence[LaneState], step: int = 0, epoch: int = 0) -> None:
         self.plan, self.pipeline, self.owned = plan, pipeline, owned

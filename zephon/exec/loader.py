@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-from zephon.accounting import domain_fields
 from zephon.errors import PlanError
+from zephon.exec.accounting import domain_fields
 from zephon.exec.batch import LocalBatch, check_micro_count
 from zephon.exec.cores import Rows
 from zephon.exec.end import AllGather, Unemitted
@@ -30,7 +30,7 @@ from zephon.exec.resize import check_micro_schedule
 from zephon.exec.state import LaneState, check_state, merge_states
 from zephon.ops.base import JSON, Operator, run_transforms
 from zephon.pipeline import How, Pipeline, Where, split_old_form
-from zephon.plan import Batch, Refs
+from zephon.plan import Batching, Refs
 from zephon.sources.base import Columns, RecordSource
 from zephon.telemetry import StageSink, Stats, Telemetry
 from zephon.telemetry import make as telemetry_recorder
@@ -59,7 +59,7 @@ class Loader:
     The old form `Loader(plan, sources, transforms, seed=, rank=, world=, runner=, ...)` works
     for this version with a `DeprecationWarning` naming the new one.
 
-    A finite plan ends at the same step on every rank (`Batch.remainder`); `len()`: steps left.
+    A finite plan ends at the same step on every rank (`Batching.remainder`); `len()`: steps left.
     """
 
     @overload
@@ -67,10 +67,10 @@ class Loader:
                  start_step: int = 0, epoch: int = 0, end: int | None = None) -> None: ...
 
     @overload  # deprecated: Loader(plan, sources, transforms, seed=, rank=, world=, runner=, ...)
-    def __init__(self, pipeline: Batch, where: Any, how: Sequence[Any] = (), *,
+    def __init__(self, pipeline: Batching, where: Any, how: Sequence[Any] = (), *,
                  start_step: int = 0, epoch: int = 0, end: int | None = None, **old_form: Any) -> None: ...
 
-    def __init__(self, pipeline: Pipeline | Batch, where: Any = None, how: Any = None, *,
+    def __init__(self, pipeline: Pipeline | Batching, where: Any = None, how: Any = None, *,
                  start_step: int = 0, epoch: int = 0, end: int | None = None, **old_form: Any) -> None:
         if not isinstance(pipeline, Pipeline):  # Loader(plan, sources, transforms, **options)
             start_step = old_form.pop("start_step", start_step)
@@ -103,7 +103,7 @@ class Loader:
 
     # --- the run (the engine's; read-only here) ------------------------------------------------
     @property
-    def plan(self) -> Batch:
+    def plan(self) -> Batching:
         """The complete plan: block sizes resolved, `remainder="auto"` decided."""
         return self.engine.plan
 
@@ -341,7 +341,7 @@ class Loader:
         A state saved under another global batch size (or schedule) of the same plan is
         refused, naming both, unless `allow_batch_change=True`: then every lane continues
         exactly where it stopped — no record skipped or repeated — and the batches from the
-        saved step on are this plan's sizes (`zephon.batchsize`).
+        saved step on are this plan's sizes (`zephon.plan.batchsizes`).
         """
         self.engine.restore(state, allow_batch_change=allow_batch_change)
 

@@ -23,7 +23,7 @@ from zephon.exec.padding import fill_blanks
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.state import LaneState, canonical
 from zephon.exec.windows import Window
-from zephon.plan import Batch, Refs
+from zephon.plan import Batching, Refs
 from zephon.sources.base import Columns
 
 if TYPE_CHECKING:  # annotation only: the stream is the engine's (zephon.exec.lanes imports this)
@@ -70,7 +70,7 @@ class LockstepCursor:
 class LockstepAssembly:
     """Assembles steps of every owned lane together from `windows` (see the module doc)."""
 
-    def __init__(self, plan: Batch, pipeline: LanePipeline, owned: np.ndarray, windows: WindowStream,
+    def __init__(self, plan: Batching, pipeline: LanePipeline, owned: np.ndarray, windows: WindowStream,
                  limit: np.ndarray | None, states: list[LaneState], step: int, group: int, dry: DryGuard) -> None:
         self.plan, self.pipeline, self.owned = plan, pipeline, owned
         self.windows = windows

@@ -22,7 +22,7 @@ from zephon.exec.pipeline import LanePipeline
 from zephon.exec.schedule import TokenSchedule
 from zephon.exec.state import LaneState, canonical
 from zephon.exec.windows import Provenance, Window, concat_cols, take_rows
-from zephon.plan import Batch, Refs
+from zephon.plan import Batching, Refs
 from zephon.sources.base import Columns
 
 if TYPE_CHECKING:  # annotation only: the stream is the engine's (zephon.exec.lanes imports this)
@@ -42,7 +42,7 @@ class PerLaneAssembly:
         from the states (`rematerialize`); empty without an accumulator.
     """
 
-    def __init__(self, plan: Batch, pipeline: LanePipeline, schedule: TokenSchedule | None, owned: np.ndarray,
+    def __init__(self, plan: Batching, pipeline: LanePipeline, schedule: TokenSchedule | None, owned: np.ndarray,
                  windows: WindowStream, states: list[LaneState], step: int,
                  held: list[tuple[Columns, list[Provenance]]]) -> None:
         self.plan, self.pipeline, self.schedule, self.owned = plan, pipeline, schedule, owned

@@ -21,7 +21,7 @@ from zephon.exec.resize import batch_change, lane_shift_of
 from zephon.exec.schedule import check_counters
 from zephon.exec.state import LaneState, check_state
 from zephon.ops.base import identity_diff
-from zephon.plan import Batch, Mix, plan_diff
+from zephon.plan import Batching, Mix, plan_diff
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Resume:
     """Checks states and positions against one loader's run: its plan, its lanes (`owned` of
     rank `rank` of `world`), its source branches and lane pipeline, and which core it runs."""
 
-    plan: Batch
+    plan: Batching
     owned: np.ndarray
     rank: int
     world: int
