@@ -21,6 +21,8 @@ Dropping, the count goes on past the end to the lanes' last rows: what the end l
 than one global batch — PyTorch's `drop_last` never drops more, and with packing or filters a
 "drop" end can lose whole lanes' tails. That is why `remainder="auto"` (the default) pads these
 plans.
+
+Terms (docs/glossary.md): remainder.
 """
 
 from __future__ import annotations
