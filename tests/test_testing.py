@@ -513,7 +513,7 @@ def test_testing_pipeline_is_zephon_pipeline_and_its_old_spellings_warn_for_one_
     naming the new form, and give what the new form gives."""
     import warnings
 
-    assert Pipeline is z.Pipeline
+    assert Pipeline is z.Pipeline and zt.as_pipeline is as_pipeline and zt.pipeline_from_plan is pipeline_from_plan
     keep = z.Filter(keep_not_7, batched=True, name="keep_not_7")
     new = Pipeline(plan(), source(), [keep])
     with warnings.catch_warnings():

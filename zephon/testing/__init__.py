@@ -1,7 +1,8 @@
 """Prove Zephon's guarantee on your own pipeline: one-call assertions and the configuration matrix.
 
-You write a *factory*: a function that builds your pipeline and returns a `Pipeline` (or
-`(plan, sources[, transforms])`, a dict of `Pipeline`'s fields, or a `zephon.compat.grain.Dataset`).
+You write a *factory*: a function that builds your pipeline and returns a `zephon.Pipeline` (also
+importable as `zephon.testing.Pipeline`), or `(plan, sources[, ops])`, a dict of its fields, or a
+`zephon.compat.grain.Dataset` (`as_pipeline` reads each).
 It may take `world=` (and `rank=`) if your code reads the data-parallel degree: then a pipeline
 that changes with the degree is caught too. A factory given as `"module:function"` or
 `"path/to/file.py:function"` is imported by name, which multi-process runs need.
@@ -34,7 +35,8 @@ ranks and restored by the next). See `Config.parse`.
 This package is numpy-only at import; it imports JAX, torch and Grain only for the
 configurations that use them. One concept a module:
 
-- `pipeline`: the pipeline under test (`Pipeline`, `IndexSource`, `load_plan`, `load_factory`, `Builder`);
+- `pipeline`: the pipeline under test (`as_pipeline`, `pipeline_from_plan`, `IndexSource`, `load_plan`,
+  `load_factory`, `Builder`);
 - `configs`: configurations (`Segment`, `Config`, `matrix`, `default_resume`);
 - `sessions`: one emitter (numpy, Grain, torch, JAX) over every rank of a segment;
 - `processes`: segments in several local processes (`python -m zephon.testing worker`);
@@ -61,9 +63,11 @@ from zephon.testing.pipeline import (
     FactoryError,
     IndexSource,
     Pipeline,
+    as_pipeline,
     factory_spec,
     load_factory,
     load_plan,
+    pipeline_from_plan,
 )
 from zephon.testing.report import Report, RunResult
 from zephon.testing.runs import Run, divergence, run_config, verify
@@ -71,7 +75,8 @@ from zephon.testing.sessions import StepOut
 
 __all__ = [
     "BACKENDS", "REFERENCE", "Builder", "Config", "DeterminismError", "Divergence", "Factory", "FactoryError",
-    "IndexSource", "Pipeline", "Report", "Run", "RunResult", "Segment", "StepOut", "assert_deterministic",
-    "assert_elastic", "assert_emitters_agree", "assert_micro_batches", "assert_resumes", "assert_runners_agree",
-    "default_resume", "divergence", "factory_spec", "load_factory", "load_plan", "matrix", "run_config", "verify",
+    "IndexSource", "Pipeline", "Report", "Run", "RunResult", "Segment", "StepOut", "as_pipeline",
+    "assert_deterministic", "assert_elastic", "assert_emitters_agree", "assert_micro_batches", "assert_resumes",
+    "assert_runners_agree", "default_resume", "divergence", "factory_spec", "load_factory", "load_plan", "matrix",
+    "pipeline_from_plan", "run_config", "verify",
 ]
