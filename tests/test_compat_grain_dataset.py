@@ -113,3 +113,19 @@ def test_a_dataset_is_one_zephon_pipeline_and_its_loader_takes_where_and_how() -
     assert want == halves
     with pytest.raises(zephon.PlanError, match=r"pipeline\(\) needs the pipeline to end in the plan's global batch"):
         zg.Dataset.source(src).batch(4).map(twice).pipeline()
+
+
+def test_explain_names_a_grain_datasets_pipeline_fingerprint(tmp_path, capsys) -> None:
+    """`zephon explain` of a factory returning a Grain `Dataset` prints the fingerprint of its
+    `zephon.Pipeline` — the same value `Dataset.pipeline().fingerprint()` gives."""
+    from zephon.cli import main
+
+    f = tmp_path / "grain_factory.py"
+    f.write_text("import grain\nimport zephon.compat.grain as zg\n\n\ndef pipeline():\n"
+                 "    src = grain.sources.RangeDataSource(0, 100, 1)\n"
+                 "    return zg.Dataset.source(src).shuffle(seed=1).repeat().batch(8).lanes(4)\n")
+    assert main(["explain", f"{f}:pipeline", "--step", "2", "--rows", "0:2"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    src = grain.sources.RangeDataSource(0, 100, 1)
+    want = zg.Dataset.source(src).shuffle(seed=1).repeat().batch(8).lanes(4).pipeline()
+    assert header.endswith(f"plan {want.plan.fingerprint()}, pipeline {want.fingerprint()}")

@@ -102,7 +102,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     rows = batch.explain()
     sel = _row_range(args.rows, len(rows))
     print(f"global batch {args.step}, rank {args.rank} of {args.world}: {len(rows)} rows of "
-          f"{batch.global_rows}; plan {pipe.plan.fingerprint()}")
+          f"{batch.global_rows}; plan {pipe.plan.fingerprint()}, pipeline {pipe.fingerprint()}")
     for j in sel:
         r = rows[j]
         if "segments" in r:
