@@ -4,6 +4,8 @@ What `Loader` yields. Its rows are the owned lanes' rows in lane order; `explain
 row's record (or, for packed rows, its document pieces); `micro_batches(n)` cuts the rows into `n`
 equal consecutive blocks for gradient accumulation. The micro-batch count check lives here, in
 the core, so every emitter (numpy, JAX, torch) refuses a count with the same message.
+
+Terms (docs/glossary.md): local batch, micro-batch, batch.
 """
 
 from __future__ import annotations
