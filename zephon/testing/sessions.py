@@ -56,10 +56,85 @@ def _np_micro(batch: LocalBatch, n: int) -> dict[str, np.ndarray]:
     return {k: np.concatenate([p.data[k] for p in parts]) for k in batch.data}
 
 
-def _runner(spec: str) -> Any:
+def _runner(spec: str, rank: int = 0) -> Any:
+    """The runner `spec` names for rank `rank`'s loader: a new one, or — inside `shared_runners()`,
+    for process runners — the pool's `processes` runner of that spec and rank, lent to one loader
+    at a time (see `SharedRunners`)."""
     from zephon.runners import from_spec
 
-    return None if spec == "inline" else from_spec(spec)
+    if spec == "inline":
+        return None
+    pool = _POOLS[-1] if _POOLS else None
+    if pool is not None and spec.startswith("processes"):
+        return pool.get(spec, rank)
+    return from_spec(spec)
+
+
+class _Lent:
+    """A runner lent to one loader: `close()` (the loader's, at the end of a segment) leaves the
+    workers running for the next loader; `SharedRunners.close` stops them."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def imap(self, fn: Any, items: Any) -> Any:
+        return self._inner.imap(fn, items)
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:  # pickles, workers, depth, ...: the runner's
+        return getattr(self._inner, name)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a copy (a DataLoader worker's) is the runner's copy
+        return (_same, (self._inner,))
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+class SharedRunners:
+    """Process runners kept across configurations: starting worker processes is most of what a
+    short `processes:N` configuration costs, and which process computes a step cannot change it
+    (the runner contract), so every configuration's rank `r` borrows the same `processes:N`
+    runner. Each loader still pickles its own step function to the workers, which compute
+    every step it asks for; only the process start is shared. Use as a context manager."""
+
+    def __init__(self) -> None:
+        self.runners: dict[tuple[str, int], Any] = {}
+
+    def get(self, spec: str, rank: int) -> Any:
+        from zephon.runners import from_spec
+
+        key = (spec, rank)
+        if key not in self.runners:
+            self.runners[key] = from_spec(spec)
+        return _Lent(self.runners[key])
+
+    def close(self) -> None:
+        for r in self.runners.values():
+            r.close()
+        self.runners.clear()
+
+    def __enter__(self) -> SharedRunners:
+        _POOLS.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _POOLS.remove(self)
+        self.close()
+
+
+_POOLS: list[SharedRunners] = []
+
+
+def shared_runners() -> Any:
+    """`with shared_runners():` — the pool in use if there is one (nested calls share it), else a
+    new `SharedRunners` closed at the end of the block."""
+    import contextlib
+
+    return contextlib.nullcontext(_POOLS[-1]) if _POOLS else SharedRunners()
 
 
 def _check_degree(pipe: Pipeline, world: int) -> str | None:
@@ -92,7 +167,7 @@ class _NumpySession(_Session):
 
     def __init__(self, pipes: list[Pipeline], seg: Segment) -> None:
         self.seg = seg
-        self.loaders = [p.loader(rank=r, world=seg.world, runner=_runner(seg.runner))
+        self.loaders = [p.loader(rank=r, world=seg.world, runner=_runner(seg.runner, r))
                         for r, p in enumerate(pipes)]
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
@@ -119,7 +194,7 @@ class _GrainSession(_Session):
         import zephon.compat.grain as zg
 
         self.zg, self.seg = zg, seg
-        self.iters = [zg.Iterator(p.loader(rank=r, world=seg.world, runner=_runner(seg.runner)), batched=True)
+        self.iters = [zg.Iterator(p.loader(rank=r, world=seg.world, runner=_runner(seg.runner, r)), batched=True)
                       for r, p in enumerate(pipes)]
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
@@ -191,14 +266,14 @@ class _TorchSession(_Session):
         for r, p in enumerate(pipes):
             if seg.workers:
                 ds = ZephonIterableDataset(p.plan, p.sources, tuple(p.transforms), rank=r, world=seg.world,
-                                           runner=_runner(seg.runner), **p.backend_kwargs())
+                                           runner=_runner(seg.runner, r), **p.backend_kwargs())
                 # fork after JAX started its threads can deadlock: then start workers clean
                 ctx = "forkserver" if "jax" in sys.modules else None
                 self.loaders.append(ZephonDataLoader(ds, num_workers=seg.workers,
                                                      multiprocessing_context=ctx))
             else:
                 self.loaders.append(TorchLoader(p.plan, p.sources, tuple(p.transforms), rank=r,
-                                                world=seg.world, runner=_runner(seg.runner),
+                                                world=seg.world, runner=_runner(seg.runner, r),
                                                 **p.backend_kwargs()))
         self.owned = [p.plan.lanes.owned(r, seg.world) for r, p in enumerate(pipes)]
 
