@@ -88,7 +88,7 @@ def test_steps_shared_before_a_stop_are_what_running_them_again_gives():
     c = Config.parse("numpy D=2 @3 -> numpy D=1 micro=2")
     stops: dict = {}
     run_a = run_config(b, a, 6, stops=stops)
-    assert list(stops) == [("numpy D=2 @3", 3)]
+    assert list(stops) == [("numpy D=2 @3 read_ahead=None", 3)]
     shared = run_config(b, c, 6, stops=stops)
     alone = run_config(b, c, 6)
     assert shared.records == alone.records and len(alone.records) == 6  # the prefix: shared vs run again

@@ -88,6 +88,7 @@ class Config:
     segments: tuple[Segment, ...]
     note: str = ""
     steps: int | None = None        # global steps this configuration runs (None: the run's `steps`)
+    read_ahead: int | None = None   # the loaders' read_ahead (rows a read aims for; None: theirs)
 
     @property
     def name(self) -> str:
@@ -103,7 +104,8 @@ class Config:
 
     def batch_reference(self) -> Config:
         """numpy D=1 with the same stops and batch sizes: what this configuration must equal."""
-        return Config(tuple(Segment(until=s.until, batch=s.batch) for s in self.segments), steps=self.steps)
+        return Config(tuple(Segment(until=s.until, batch=s.batch) for s in self.segments), steps=self.steps,
+                      read_ahead=self.read_ahead)
 
     @staticmethod
     def parse(text: str) -> Config:
@@ -260,7 +262,7 @@ def placements(backends: Sequence[str] = BACKENDS, degrees: Sequence[int] = (1, 
 def cross_matrix(steps: int, *, batch: int | None = None, backends: Sequence[str] = BACKENDS,
                  degrees: Sequence[int] = (1, 2, 4, 8), runners: Sequence[str] = ("threads:2", "processes:2"),
                  micro: int = 2, meshes: Sequence[tuple[int, ...]] = ((8,), (4, 2), (2, 4)),
-                 resumes: int = 2, skip: Sequence[str] = ()) -> list[Config]:
+                 resumes: int = 2, read_ahead: int | None = None, skip: Sequence[str] = ()) -> list[Config]:
     """The dimensions crossed, each configuration `steps` steps long (a short run: its point is
     the combination, and a resume compares the steps after it):
 
@@ -274,8 +276,13 @@ def cross_matrix(steps: int, *, batch: int | None = None, backends: Sequence[str
       every other resume at another global batch size (twice, then half of it, alternately;
       `allow_batch_change`).
 
+    Each reads `read_ahead` rows at a time (default: the pipeline's global batch size `batch`):
+    a loader's default (16384 rows) would read ahead hundreds of steps at D=8, most of the cost
+    of a 10-step run; a read of about one global batch puts several reads, and the joins between
+    them, inside the run (read_ahead changes speed, never data: that is checked too).
     Configurations named in `skip` (those `matrix` runs already) are left out.
     """
+    rows = read_ahead if read_ahead is not None else batch
     if steps < 2:
         raise PlanError(f"the cross-product needs at least 2 steps (a stop and a step after it), got {steps}")
     unknown = [b for b in backends if b not in BACKENDS]
@@ -284,7 +291,7 @@ def cross_matrix(steps: int, *, batch: int | None = None, backends: Sequence[str
     places = placements(backends, degrees, meshes)
     out: list[Config] = []
     for p in places:
-        out += [Config((replace(p, runner=r),), steps=steps) for r in runners]
+        out += [Config((replace(p, runner=r),), steps=steps, read_ahead=rows) for r in runners]
     cycle = ["inline", *runners]
     at = steps // 2
     nth: dict[str, int] = {}
@@ -304,7 +311,7 @@ def cross_matrix(steps: int, *, batch: int | None = None, backends: Sequence[str
                 changes += 1
             second = replace(p2, micro=micro if (i + k) % 2 == 0 else 1,
                              runner=cycle[(i + k + 1) % len(cycle)], batch=size or None)
-            out.append(Config((first, second), steps=steps))
+            out.append(Config((first, second), steps=steps, read_ahead=rows))
     seen = set(skip)
     unique = []
     for c in out:

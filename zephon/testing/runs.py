@@ -81,7 +81,7 @@ def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapp
         batch = seg.batch if seg.batch is not None else batch
         stop = steps if seg.until is None else min(seg.until, steps)
         last = i == len(config.segments) - 1
-        key = (" -> ".join(s.label() for s in config.segments[:i + 1]), stop)
+        key = (" -> ".join(s.label() for s in config.segments[:i + 1]) + f" read_ahead={config.read_ahead}", stop)
         if stops is not None and not last and key in stops:
             got = stops[key]
             run.records, run.batches = list(got.records), list(got.batches)
@@ -98,7 +98,8 @@ def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapp
             run.batches += [None] * len(recs)
             run.excluded |= frozenset(excluded)
             continue
-        sess = _session(builder, seg, ref_dtypes, batch)
+        options = {} if config.read_ahead is None else {"read_ahead": config.read_ahead}
+        sess = _session(builder, seg, ref_dtypes, batch, options)
         try:
             run.excluded |= frozenset(getattr(sess, "excluded", ()))
             if state is not None:

@@ -165,9 +165,9 @@ class _Session:
 class _NumpySession(_Session):
     has_provenance = True
 
-    def __init__(self, pipes: list[Pipeline], seg: Segment) -> None:
+    def __init__(self, pipes: list[Pipeline], seg: Segment, options: Mapping[str, Any] = {}) -> None:
         self.seg = seg
-        self.loaders = [p.loader(rank=r, world=seg.world, runner=_runner(seg.runner, r))
+        self.loaders = [p.loader(rank=r, world=seg.world, runner=_runner(seg.runner, r), **options)
                         for r, p in enumerate(pipes)]
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
@@ -190,11 +190,12 @@ class _NumpySession(_Session):
 class _GrainSession(_Session):
     """The Grain-compatible iterator (`get_state`/`set_state`) over every rank."""
 
-    def __init__(self, pipes: list[Pipeline], seg: Segment) -> None:
+    def __init__(self, pipes: list[Pipeline], seg: Segment, options: Mapping[str, Any] = {}) -> None:
         import zephon.compat.grain as zg
 
         self.zg, self.seg = zg, seg
-        self.iters = [zg.Iterator(p.loader(rank=r, world=seg.world, runner=_runner(seg.runner, r)), batched=True)
+        self.iters = [zg.Iterator(p.loader(rank=r, world=seg.world, runner=_runner(seg.runner, r), **options),
+                                  batched=True)
                       for r, p in enumerate(pipes)]
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
@@ -257,7 +258,7 @@ def _torch_round_trip(state: dict[str, Any]) -> dict[str, Any]:
 class _TorchSession(_Session):
     """`TorchLoader` per rank, or `ZephonDataLoader` with `workers` DataLoader workers."""
 
-    def __init__(self, pipes: list[Pipeline], seg: Segment) -> None:
+    def __init__(self, pipes: list[Pipeline], seg: Segment, options: Mapping[str, Any] = {}) -> None:
         from zephon.backends.torch import TorchLoader, ZephonDataLoader, ZephonIterableDataset
 
         self.seg = seg
@@ -266,7 +267,7 @@ class _TorchSession(_Session):
         for r, p in enumerate(pipes):
             if seg.workers:
                 ds = ZephonIterableDataset(p.plan, p.sources, tuple(p.transforms), rank=r, world=seg.world,
-                                           runner=_runner(seg.runner, r), **p.backend_kwargs())
+                                           runner=_runner(seg.runner, r), **p.backend_kwargs(), **options)
                 # fork after JAX started its threads can deadlock: then start workers clean
                 ctx = "forkserver" if "jax" in sys.modules else None
                 self.loaders.append(ZephonDataLoader(ds, num_workers=seg.workers,
@@ -274,7 +275,7 @@ class _TorchSession(_Session):
             else:
                 self.loaders.append(TorchLoader(p.plan, p.sources, tuple(p.transforms), rank=r,
                                                 world=seg.world, runner=_runner(seg.runner, r),
-                                                **p.backend_kwargs()))
+                                                **p.backend_kwargs(), **options))
         self.owned = [p.plan.lanes.owned(r, seg.world) for r, p in enumerate(pipes)]
 
     def _iter(self, r: int) -> Any:
@@ -335,7 +336,8 @@ class _JaxSession(_Session):
     """`JaxLoader` over a mesh of this process's devices (or of every process's, under
     jax.distributed); fields JAX cannot hold (bytes, text) are left out and not compared."""
 
-    def __init__(self, pipe: Pipeline, seg: Segment, ref_dtypes: Mapping[str, np.dtype]) -> None:
+    def __init__(self, pipe: Pipeline, seg: Segment, ref_dtypes: Mapping[str, np.dtype],
+                 options: Mapping[str, Any] = {}) -> None:
         import jax
         from jax.sharding import Mesh
 
@@ -355,7 +357,7 @@ class _JaxSession(_Session):
         self.plan = pipe.plan
         self.loader = JaxLoader(pipe.plan, pipe.sources, tuple(pipe.transforms), mesh=mesh,
                                 batch_axes=names, exclude=self.excluded, runner=_runner(seg.runner),
-                                **pipe.backend_kwargs())
+                                **pipe.backend_kwargs(), **options)
         self.owned = pipe.plan.lanes.owned(self.loader.layout.rank, self.loader.layout.world)
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
@@ -383,11 +385,12 @@ class _JaxSession(_Session):
         self.loader.close()
 
 
-def _session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.dtype], batch: int | None = None
-             ) -> _Session:
-    """The emitter of `seg` over all its ranks (at global batch size `batch`, if given). A
-    PlanError while building it (the pipeline built fine for the reference) means this emitter
-    cannot take the pipeline: n/a, with the reason."""
+def _session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.dtype], batch: int | None = None,
+             options: Mapping[str, Any] = {}) -> _Session:
+    """The emitter of `seg` over all its ranks (at global batch size `batch`, if given; loader
+    `options` such as `read_ahead`, which change speed, never data). A PlanError while building
+    it (the pipeline built fine for the reference) means this emitter cannot take the pipeline:
+    n/a, with the reason."""
     pipes = [builder(seg.degree, r) for r in range(seg.degree if builder.takes_rank else 1)]
     if batch is not None:
         try:
@@ -395,13 +398,13 @@ def _session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.dtype],
         except PlanError as e:
             raise _NotApplicable(str(e)) from e
     try:
-        return _make_session(builder, pipes, seg, ref_dtypes)
+        return _make_session(builder, pipes, seg, ref_dtypes, options)
     except PlanError as e:
         raise _NotApplicable(str(e)) from e
 
 
 def _make_session(builder: Builder, pipes: list[Pipeline], seg: Segment,
-                  ref_dtypes: Mapping[str, np.dtype]) -> _Session:
+                  ref_dtypes: Mapping[str, np.dtype], options: Mapping[str, Any] = {}) -> _Session:
     why = _check_degree(pipes[0], seg.degree)
     if why:
         raise _NotApplicable(why)
@@ -421,9 +424,9 @@ def _make_session(builder: Builder, pipes: list[Pipeline], seg: Segment,
         if why:
             raise _NotApplicable(why)
     if seg.backend == "numpy":
-        return _NumpySession(pipes, seg)
+        return _NumpySession(pipes, seg, options)
     if seg.backend == "grain":
-        return _GrainSession(pipes, seg)
+        return _GrainSession(pipes, seg, options)
     if seg.backend == "torch":
-        return _TorchSession(pipes, seg)
-    return _JaxSession(pipes[0], seg, ref_dtypes)
+        return _TorchSession(pipes, seg, options)
+    return _JaxSession(pipes[0], seg, ref_dtypes, options)
