@@ -39,8 +39,16 @@ batch-size schedule runs like any other; `B=N` on a segment after a stop resumes
 batch size N (allow_batch_change): compared with numpy D=1 under the same changes, whose every
 lane must continue the reference's rows where it stopped.
 
+Then the cross-product, --cross-steps steps each (default 10; 0: none): every emitter x degree
+(JAX: mesh) under each runner, and every placement stopping at half the steps and resuming on
+other emitters and degrees, with micro-batches and batch-size changes. Configurations that stop
+alike share the steps before the stop; processes:N workers are started once and lent to each
+loader.
+
 Report: a table per pipeline, a summary line, and with --report PATH a JSON file and a PNG
-heat map (configurations x steps; red where a step differs).
+heat map (configurations x steps; red where a step differs). --baseline PATH.json compares
+every configuration also in a saved report step by step with its fingerprints (exit 1 naming
+the first configuration and step that differ): record one before a change, compare after it.
 
 examples:
   zephon verify                                         # the demo pipelines (make verify)
@@ -50,6 +58,8 @@ examples:
   zephon verify my_project.data:pipeline --only --config "numpy D=2 @10 -> jax mesh=2x4 micro=2"
   zephon verify my_project.data:pipeline --config "numpy D=2 @10 -> torch D=4 B=512"
   zephon verify plan.json --backends numpy --steps 100
+  zephon verify --steps 80 --report build/before        # before a change ...
+  zephon verify --steps 80 --baseline build/before.json # ... and after it: the same fingerprints
 """
 
 def _ints(text: str, what: str) -> list[int]:
