@@ -54,11 +54,11 @@ import numpy as np  # noqa: E402
 from pack import measure_stream  # noqa: E402  (benchmarks/ is sys.path[0] when this script runs)
 
 from zephon import Loader, Source  # noqa: E402
-from zephon.columns import objects  # noqa: E402
 from zephon.demo.chatdata import chat_texts, generate_chats  # noqa: E402
 from zephon.demo.textdata import train_bpe  # noqa: E402
 from zephon.ops.chat import Chat, ChatTemplate  # noqa: E402
 from zephon.ops.pack import Pack  # noqa: E402
+from zephon.sources.columns import objects  # noqa: E402
 from zephon.sources.memory import ArraySource  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

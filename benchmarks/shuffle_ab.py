@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         corpus = et.prepare(cfg, workdir)
         counts = pack_rows(cfg, workdir)
         n = counts["code"] + counts["prose"]
-        from zephon.quality import shuffle_quality
+        from zephon.plan.quality import shuffle_quality
 
         quality = {o: shuffle_quality(plan_for(o, n, ab, ab.seeds[0]), block=ab.block, rho=0.5).to_json()
                     for o in ORDERS}

@@ -13,7 +13,7 @@ of 8 lanes, tokenized per source with an in-process BPE, packed concat-then-spli
    and resumes from it at another D (`load_state` + `restore`); at other random moments a timer
    SIGKILLs one worker process of one rank: the loader must raise `WorkerError`, and the job
    resumes from the last saved checkpoint with new runners (at a random D), recomputing the
-   steps since. Every step's fingerprint (`zephon.verify`) must equal the reference's, also for
+   steps since. Every step's fingerprint (`zephon.fingerprints`) must equal the reference's, also for
    recomputed steps.
 3. **Exact tokens.** Every packed row is checked against the documents it names
    (`LocalBatch.segments`: source, record, epoch, start, stop): its tokens are exactly those
@@ -50,11 +50,11 @@ from tqdm import tqdm
 import zephon
 from zephon import Loader, Mix, Source, WorkerError, load_state, merge_states, save_state
 from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe, write_jsonl
+from zephon.fingerprints import first_mismatch, lane_digests, step_fingerprint
 from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.runners import processes
 from zephon.sources import JsonlSource
-from zephon.verify import first_mismatch, lane_digests, step_fingerprint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from zephon import Loader, Source, storage  # noqa: E402
-from zephon.blockshuffle import block_shuffles  # noqa: E402
+from zephon.plan.blockshuffle import block_shuffles  # noqa: E402
 from zephon.sources import (  # noqa: E402
     ArrayRecordSource,
     FixedFields,

@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from zephon import Loader, Source, storage  # noqa: E402
+from zephon.fingerprints import lane_digests, step_fingerprint  # noqa: E402
 from zephon.runners import inline, processes  # noqa: E402
 from zephon.sources import ArrayRecordSource, FixedFields, write_sharded_array_record  # noqa: E402
 from zephon.testing.object_servers import Server, create_bucket, start_fake_gcs, start_seaweedfs  # noqa: E402
-from zephon.verify import lane_digests, step_fingerprint  # noqa: E402
 
 BUCKET = "zephon-outage"
 SPEC = FixedFields({"tokens": ("int32", (256,))})

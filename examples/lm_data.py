@@ -64,7 +64,7 @@ def write_data(out: Path, args: argparse.Namespace) -> None:
     write_jsonl(out / "eval_prose.jsonl", generate_corpus(args.eval_docs, seed=3))
 
 
-def describe_batches(plan: z.Batch, seq_len: int) -> str:
+def describe_batches(plan: z.Batching, seq_len: int) -> str:
     """The plan's batch sizes, for the log: `8 rows until 2,048 tokens (step 2), then 16`."""
     stretches = plan.sizes.stretches()
     parts = [f"{b} rows" + (f" from step {k} ({plan.tokens_before(k, seq_len):,} tokens)" if k else "")

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 
 from zephon import Mix, Source
 from zephon.backends.torch import TorchLoader
-from zephon.columns import objects
 from zephon.demo.chatdata import chat_texts, generate_chats
 from zephon.demo.textdata import PAD_ID, train_bpe
 from zephon.ops.chat import Chat, ChatTemplate
 from zephon.ops.pack import Pack
+from zephon.sources.columns import objects
 from zephon.sources.memory import ArraySource
 
 SEQ, LANES, BATCH = 128, 8, 16

@@ -46,8 +46,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zephon import Filter, Source
 from zephon.backends.torch import ZephonDataLoader, ZephonIterableDataset
+from zephon.fingerprints import global_fingerprint
 from zephon.sources.memory import ArraySource
-from zephon.verify import global_fingerprint
 
 RECORDS, FEATURES, CLASSES, LANES, BATCH = 4096, 16, 4, 8, 64
 

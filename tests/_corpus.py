@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from zephon.columns import objects  # noqa: F401 - the tests wrap documents with it
 from zephon.demo.textdata import generate_corpus, train_bpe
+from zephon.sources.columns import objects  # noqa: F401 - the tests wrap documents with it
 
 
 def corpora_fixture(prose: int, code: int, train: tuple[int, int], vocab_size: int) -> Any:

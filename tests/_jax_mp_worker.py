@@ -64,7 +64,7 @@ def main() -> None:
 
     from zephon.backends.jax import JaxLoader
     from zephon.exec.loader import LocalBatch
-    from zephon.verify import lane_digests
+    from zephon.fingerprints import lane_digests
 
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
                                process_id=args.process_id)

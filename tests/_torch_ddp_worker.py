@@ -25,9 +25,9 @@ import numpy as np
 
 from zephon import Filter, Source
 from zephon.exec.loader import LocalBatch
-from zephon.plan import Batch
+from zephon.fingerprints import global_fingerprint, lane_digests
+from zephon.plan import Batching
 from zephon.sources.memory import ArraySource
-from zephon.verify import global_fingerprint, lane_digests
 
 RECORDS = 211
 LANES = 8
@@ -45,7 +45,7 @@ def source() -> ArraySource:
     })
 
 
-def pipeline(mapping: str = "contiguous") -> Batch:
+def pipeline(mapping: str = "contiguous") -> Batching:
     return Source(RECORDS).shuffle(5).repeat().lanes(LANES, mapping).batch(BATCH)  # type: ignore[arg-type]
 
 
@@ -54,7 +54,7 @@ def keep(record: dict) -> bool:
     return int(record["tokens"][0]) % 3 != 0
 
 
-def filtered() -> tuple[Batch, tuple[Filter, ...]]:
+def filtered() -> tuple[Batching, tuple[Filter, ...]]:
     return Source(RECORDS).shuffle(9).repeat().lanes(LANES).batch(16), (Filter(keep),)
 
 
@@ -62,7 +62,7 @@ def local_digests(step: int, tensors: dict, loader) -> dict[str, str]:
     return owned_digests(step, tensors, loader.loader.plan, loader.loader.owned)
 
 
-def owned_digests(step: int, tensors: dict, plan: Batch, owned) -> dict[str, str]:
+def owned_digests(step: int, tensors: dict, plan: Batching, owned) -> dict[str, str]:
     batch = LocalBatch(step, {k: v.numpy() for k, v in tensors.items()}, owned, plan.per_lane, plan.size)
     return {str(lane): d for lane, d in lane_digests(batch).items()}
 

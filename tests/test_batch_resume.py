@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from zephon import Filter, Loader, PlanError, Source, StateError, merge_states
+from zephon.fingerprints import run_fingerprints
 from zephon.ops.pack import Pack
 from zephon.sources.memory import ArraySource
-from zephon.verify import run_fingerprints
 
 N = 997  # prime: lanes never divide it
 RAMP = ((0, 8), (3, 16), (6, 32))

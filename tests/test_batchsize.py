@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zephon import Node, PlanError, Source
-from zephon.batchsize import BatchSizes, steps_from_tokens
+from zephon.plan.batchsizes import BatchSizes, steps_from_tokens
 
 RAMP = ((0, 8), (3, 16), (5, 32))
 

@@ -1,7 +1,7 @@
-"""The block shuffle (zephon.blockshuffle): exact once per epoch, random access, "auto"
+"""The block shuffle (zephon.plan.blockshuffle): exact once per epoch, random access, "auto"
 resolution, stripes that keep a lane to a few blocks of a window, composition with the rest of
 the algebra and the lane engine, the same batches at every D / runner / emitter and across a
-resume at another D — and the quality report (zephon.quality)."""
+resume at another D — and the quality report (zephon.plan.quality)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import zephon as z
 from zephon import testing as zt
-from zephon.blockshuffle import BlockShuffle, resolve_blocks
 from zephon.errors import PlanError
-from zephon.quality import effective_batch, p_same_block, shuffle_quality
+from zephon.plan.blockshuffle import BlockShuffle, resolve_blocks
+from zephon.plan.quality import effective_batch, p_same_block, shuffle_quality
 from zephon.sources.memory import ArraySource
 
 
@@ -92,7 +92,7 @@ def test_auto_resolves_window_and_stripes_at_the_root_and_block_from_the_sources
         z.Mix([z.Source(5).repeat(), z.Source(6, id=1).repeat()], [1, 1]).block_shuffle(1, block=2)
 
 
-def _block_plan(n: int = 3000, lanes: int = 8, batch: int = 32) -> z.Batch:
+def _block_plan(n: int = 3000, lanes: int = 8, batch: int = 32) -> z.Batching:
     return z.Source(n, name="x").block_shuffle(11, block=8).repeat().lanes(lanes).batch(batch)
 
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from zephon import DecodeError, Loader, Mix, PlanError, Source
-from zephon.columns import objects
 from zephon.demo.chatdata import chat_texts, generate_chats
 from zephon.demo.textdata import train_bpe
 from zephon.ops.chat import Chat, ChatTemplate
 from zephon.ops.pack import Pack
 from zephon.plan import Refs
+from zephon.sources.columns import objects
 from zephon.sources.memory import ArraySource
 
 CHATS = generate_chats(120, seed=5)

@@ -9,7 +9,7 @@ import numpy as np
 from _grain import quiet_remainder_warning  # noqa: F401 - an autouse fixture
 
 import zephon.compat.grain as zg
-from zephon.verify import run_fingerprints
+from zephon.fingerprints import run_fingerprints
 
 
 def test_grain_is_one_more_column_of_the_verify_matrix() -> None:

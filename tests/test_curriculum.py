@@ -12,10 +12,10 @@ from _corpus import corpora_fixture, objects
 
 from zephon import Loader, Mix, Node, PlanError, Source, StateError
 from zephon.demo.textdata import EOS_ID
+from zephon.fingerprints import run_fingerprints
 from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.sources.memory import ArraySource
-from zephon.verify import run_fingerprints
 
 corpora = corpora_fixture(prose=120, code=80, train=(60, 40), vocab_size=600)
 

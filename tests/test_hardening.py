@@ -166,7 +166,7 @@ def test_token_mix_counters_that_cannot_agree_with_the_cursors_are_refused(corpo
 @pytest.mark.parametrize("by,stop,max_tokens", [("tokens", "first", None), ("samples", "all", None),
                                                 ("tokens", "first", 8)])
 def test_genuine_mixed_packed_states_round_trip_at_every_degree(corpora, tmp_path, by, stop, max_tokens):
-    from zephon.verify import run_fingerprints
+    from zephon.fingerprints import run_fingerprints
 
     make = _mixed_packed(corpora, by, stop, max_tokens)
     ref = run_fingerprints([make()], 14)
@@ -314,8 +314,8 @@ def test_jsonl_deep_nesting_and_lone_surrogates_are_decode_errors_naming_the_lin
 def test_tokenize_names_the_record_with_a_lone_surrogate():
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from zephon.columns import objects
     from zephon.ops.tokenize import Tokenize
+    from zephon.sources.columns import objects
 
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "bad": 1, "text": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -608,7 +608,7 @@ def test_a_child_forked_while_another_thread_reads_array_record_refuses_never_bl
 
 # --- 8. a flat soak: shared memory held by pending windows stays bounded -----------------------
 def _docs(n, seed, lo, hi):
-    from zephon.columns import objects
+    from zephon.sources.columns import objects
 
     rng = np.random.default_rng(seed)
     return ArraySource({"tokens": objects([rng.integers(1, 1000, rng.integers(lo, hi), dtype=np.int32)
@@ -621,9 +621,9 @@ def test_windows_pending_for_slow_lanes_leave_shared_memory(monkeypatch):
     views of processes()' shared-memory slots, which then could not be reused: the soak's
     memfds and mappings rose for as long as it ran. Waiting windows are now copied out."""
     from zephon.exec import lanes as lanes_mod
+    from zephon.fingerprints import run_fingerprints
     from zephon.ops.pack import Pack
     from zephon.runners import processes
-    from zephon.verify import run_fingerprints
 
     plan = Mix([Source(400, id=0).shuffle(1).repeat(), Source(300, id=1).shuffle(2).repeat()],
                [0.7, 0.3], by="tokens").lanes(8).batch(16)
@@ -652,8 +652,8 @@ def test_rows_kept_for_drifting_lanes_stay_bounded():
     steps). When every window read the same inputs of every lane, windows waited for the slowest
     lane while the fastest made the engine fetch more: the rows kept grew with the drift (the
     10-minute soak's consumer RSS rose ~1 MB/min). Each lane is now fed from its own frontier."""
+    from zephon.fingerprints import run_fingerprints
     from zephon.ops.pack import Pack
-    from zephon.verify import run_fingerprints
 
     plan = Mix([Source(500, id=0).shuffle(1).repeat(), Source(500, id=1).shuffle(2).repeat()],
                [0.5, 0.5], by="tokens").lanes(8).batch(8)

@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 from zephon import Filter, Loader, Map, PlanError, Source, merge_states
 from zephon.backends.jax import JaxLoader, batch_sharding, plan_layout, process_ranks
 from zephon.backends.numpy import emit
+from zephon.fingerprints import global_fingerprint, step_fingerprint
 from zephon.sources.memory import ArraySource
-from zephon.verify import global_fingerprint, step_fingerprint
 
 N = 1000
 

@@ -12,6 +12,7 @@ import pytest
 
 from zephon import (
     Accumulator,
+    AccumulatorStep,
     Filter,
     FlatMap,
     Loader,
@@ -20,12 +21,11 @@ from zephon import (
     RandomMap,
     Source,
     StateError,
-    Step,
     merge_states,
 )
+from zephon.fingerprints import run_fingerprints
 from zephon.runners import processes, threads
 from zephon.sources.memory import ArraySource
-from zephon.verify import run_fingerprints
 
 N = 701
 
@@ -58,9 +58,9 @@ class SumPairs(Accumulator):
         n = min(len(ids) // 2, demand)
         out = {"pair": ids[0:2 * n:2] + ids[1:2 * n:2]}
         if n == demand:  # done: whatever follows stays unconsumed
-            return Step(out, consumed=2 * n - h)
+            return AccumulatorStep(out, consumed=2 * n - h)
         hold = [2 * n] if len(ids) > 2 * n else []  # an odd one out waits for its partner
-        return Step(out, consumed=len(new["id"]), hold=hold)
+        return AccumulatorStep(out, consumed=len(new["id"]), hold=hold)
 
 
 def pipeline(kind):

@@ -14,11 +14,11 @@ from _corpus import corpora_fixture, objects
 
 from zephon import Loader, Mix, Source, StateError, merge_states
 from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe
+from zephon.fingerprints import run_fingerprints
 from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
 from zephon.runners import processes, threads
 from zephon.sources.memory import ArraySource
-from zephon.verify import run_fingerprints
 
 corpora = corpora_fixture(prose=120, code=80, train=(60, 40), vocab_size=600)
 

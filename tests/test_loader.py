@@ -20,8 +20,8 @@ from zephon import (
     save_state,
 )
 from zephon.backends import numpy as npb
+from zephon.fingerprints import explain_mismatch, first_mismatch, lane_digests, run_fingerprints, step_fingerprint
 from zephon.sources.memory import ArraySource
-from zephon.verify import explain_mismatch, first_mismatch, lane_digests, run_fingerprints, step_fingerprint
 
 N = 503  # prime: lanes never divide it evenly
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import zephon as z
-import zephon.closing
+import zephon.runners.closing
 from zephon import Filter, Loader, Mix, Source
 from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe
 from zephon.errors import StateError
@@ -214,7 +214,7 @@ class Blocking:
 
 @pytest.fixture
 def quick_bound(monkeypatch):
-    monkeypatch.setattr(zephon.closing, "STOP_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(zephon.runners.closing, "STOP_TIMEOUT_S", 0.5)
 
 
 def _closes_within_the_bound(close, source, caplog):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from zephon import Loader, PlanError, Source
-from zephon.columns import objects
 from zephon.ops.pack import Pack
+from zephon.sources.columns import objects
 from zephon.sources.memory import ArraySource
 
 N = 96

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zephon import Batch, Lanes, Mix, Node, PlanError, Repeat, Shuffle, Skip, Slice, Source, Take
-from zephon.permute import permute
+from zephon import Batching, Lanes, Mix, Node, PlanError, Repeat, Shuffle, Slice, Source
+from zephon.plan.permute import permute
 
 SIZES = [1, 2, 3, 5, 7, 8, 13, 31, 127, 255, 256, 257, 1023, 1024, 1025, 4099, 65537]
 
@@ -109,7 +109,7 @@ def test_mix_of_finite_children_stops_at_first_exhausted():
 
 def test_slice_take_skip():
     s = Source(100)
-    assert Take(s, 10).length == 10 and Skip(s, 90).length == 10
+    assert s.take(10).length == 10 and s.skip(90).length == 10
     assert Slice(s, 10, 50, 4).resolve(np.arange(10)).record.tolist() == list(range(10, 50, 4))
     assert s.repeat().skip(5).take(200).resolve([199]).record.tolist() == [(199 + 5) % 100]
 
@@ -185,7 +185,7 @@ def test_negative_step_is_refused():
 def test_node_kinds_are_explicit_and_collisions_refused():
     from zephon.plan import Node as N
 
-    assert {c.kind for c in (Source, Shuffle, Repeat, Mix, Slice, Lanes, Batch)} == {
+    assert {c.kind for c in (Source, Shuffle, Repeat, Mix, Slice, Lanes, Batching)} == {
         "Source", "Shuffle", "Repeat", "Mix", "Slice", "Lanes", "Batch"}
     with pytest.raises(PlanError, match="kind 'Mix'.*already taken.*kind='package.Mix'"):
         type("Mix", (N,), {"__module__": "someone.else"})
@@ -232,3 +232,28 @@ def test_refs_extra_columns_ride_through_every_core_node():
     check(refs.take(np.array([4, 1])), 2)
     check(Refs.concat([refs, b.resolve(np.arange(3)), refs.take(slice(1, 3))]), 10)
     assert not b.resolve(np.arange(3)).extra
+
+
+def test_renamed_names_still_work_with_a_deprecation_warning_naming_the_new_one():
+    """Batch -> Batching, Take/Skip -> .take(n)/.skip(n), Step -> AccumulatorStep: one version of
+    grace, and the plan JSON kind stays "Batch" so every fingerprint is unchanged."""
+    import zephon
+    import zephon.ops
+    import zephon.plan
+
+    s = Source(100)
+    cases = [(zephon, "Batch", "zephon.Batching"), (zephon.plan, "Batch", "zephon.Batching"),
+             (zephon, "Take", r"\.take\(n\)"), (zephon.plan, "Skip", r"\.skip\(n\)"),
+             (zephon, "Step", "zephon.AccumulatorStep"), (zephon.ops, "Step", "zephon.AccumulatorStep")]
+    for module, name, new in cases:
+        with pytest.warns(DeprecationWarning, match=f"{module.__name__}.{name} is deprecated.*{new}"):
+            getattr(module, name)
+    with pytest.warns(DeprecationWarning):
+        assert zephon.Batch is Batching and zephon.Step is zephon.AccumulatorStep
+    with pytest.warns(DeprecationWarning):
+        assert zephon.Take(s, 10) == s.take(10) and zephon.Skip(s, 90) == s.skip(90)
+    plan = s.repeat().lanes(2).batch(4)
+    assert type(plan) is Batching and plan.to_json()["type"] == "Batch"
+    assert Node.from_json(plan.canonical_json()) == plan
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        zephon.Nope  # noqa: B018

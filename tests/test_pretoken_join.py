@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from zephon.columns import objects
 from zephon.demo.chatdata import chat_texts, generate_chats
 from zephon.demo.textdata import train_bpe
 from zephon.ops.chat import Chat, ChatTemplate
@@ -15,6 +14,7 @@ from zephon.ops.pretoken_join import encode_joined, joinable
 from zephon.ops.pretoken_regex import REGEXES
 from zephon.ops.pretokens import PretokenCache
 from zephon.plan import Refs
+from zephon.sources.columns import objects
 
 #: fragments that make pre-tokens cross piece boundaries: space runs, newlines, contractions,
 #: digit runs (cl100k's \p{N}{1,3}), letters, punctuation, non-ASCII letters and spaces, an

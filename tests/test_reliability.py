@@ -846,9 +846,9 @@ def test_token_mix_tiny_weights_within_one_document(weights):
 @pytest.mark.parametrize("by", ["samples", "tokens"])
 def test_mix_children_as_list_or_tuple_are_the_same_plan_everywhere(tmp_path, by):
     from zephon import Loader, Mix, Node, Source
+    from zephon.fingerprints import run_fingerprints
     from zephon.ops.pack import Pack
     from zephon.sources.memory import ArraySource
-    from zephon.verify import run_fingerprints
 
     def kids():
         return [Source(300, id=0).shuffle(1).repeat(), Source(200, id=1).shuffle(2).repeat()]

@@ -17,9 +17,9 @@ from _helpers import deadline  # tests/ is on sys.path under pytest's rootdir co
 
 from zephon import Loader, Map, PlanError, RandomMap, Source, WorkerError
 from zephon.exec.steps import steps_refs
+from zephon.fingerprints import lane_digests, step_fingerprint
 from zephon.runners import Inline, Processes, Threads, from_spec, inline, processes, threads
 from zephon.sources import ArrayRecordSource, ArraySource, FixedFields, write_sharded_array_record
-from zephon.verify import lane_digests, step_fingerprint
 
 N = 701
 SPEC = FixedFields({"tokens": ("int32", (16,)), "label": ("int64", ())})

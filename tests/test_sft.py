@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from zephon import Loader
-from zephon.verify import run_fingerprints
+from zephon.fingerprints import run_fingerprints
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))

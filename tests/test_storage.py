@@ -90,8 +90,8 @@ def test_sources_read_the_same_records_from_a_bucket_as_from_local_files(servers
 
 def _fingerprints(servers, configs, steps=3, formats=("array_record", "parquet", "jsonl")):
     from zephon import Loader, Source
+    from zephon.fingerprints import run_fingerprints
     from zephon.runners import inline, processes, threads
-    from zephon.verify import run_fingerprints
 
     plan = Source(N).shuffle(3).repeat().lanes(4).batch(32)
     runners = {"inline": inline, "threads": lambda: threads(2), "processes": lambda: processes(2)}
@@ -360,7 +360,7 @@ def _outage_loader(servers, where, runner):
 
 
 def _fingerprint(batch) -> str:
-    from zephon.verify import lane_digests, step_fingerprint
+    from zephon.fingerprints import lane_digests, step_fingerprint
 
     return step_fingerprint(lane_digests(batch))
 

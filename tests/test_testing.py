@@ -28,9 +28,10 @@ import zephon as z
 from zephon import testing as zt
 from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError
+from zephon.fingerprints import run_fingerprints
 from zephon.sources.memory import ArraySource
 from zephon.testing import Config, DeterminismError, FactoryError, Pipeline, Segment
-from zephon.verify import run_fingerprints
+from zephon.testing.sessions import runner_from_spec
 
 pytest_plugins = ["pytester"]
 
@@ -43,7 +44,7 @@ def source() -> ArraySource:
                         "id": np.arange(N, dtype=np.int64)})
 
 
-def plan() -> z.Batch:
+def plan() -> z.Batching:
     return z.Source(N).shuffle(1).repeat().lanes(8).batch(32)
 
 
@@ -100,7 +101,7 @@ def rows_by_lane(factory, world: int, steps: int, runner: str = "inline", builds
     """Per step {lane: {field: rows}} of `world` ranks (the factory is called with world=)."""
     b = zt.Builder(factory)
     pipe = b(world, 0)
-    loaders = [pipe.loader(rank=r, world=world, runner=zt._runner(runner)) for r in range(world)]
+    loaders = [pipe.loader(rank=r, world=world, runner=runner_from_spec(runner)) for r in range(world)]
     out = []
     for _ in range(steps):
         step = {}
@@ -140,7 +141,7 @@ def test_a_deterministic_pipeline_passes_degrees_runners_and_resumes():
     rep = zt.assert_elastic(good, steps=STEPS)
     assert [r.name for r in rep.results] == ["numpy D=1 (reference)", "numpy D=2", "numpy D=4", "numpy D=8"]
     assert all(r.status == "identical" and r.steps == STEPS for r in rep.results)
-    # the fingerprints are the ones zephon.verify.run_fingerprints computes
+    # the fingerprints are the ones zephon.fingerprints.run_fingerprints computes
     assert rep.results[0].fingerprints == run_fingerprints([good().loader()], STEPS)
     assert rep.summary() == "good: 4 configurations, 12 steps, all identical"
     zt.assert_runners_agree(good, runners=("threads:2",), steps=STEPS)

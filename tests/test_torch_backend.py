@@ -24,10 +24,10 @@ from torch.utils.data import DataLoader
 from zephon import Filter, Loader, PlanError, Source, StateError, load_state, merge_states, save_state
 from zephon.backends import numpy as npb
 from zephon.backends import torch as tb
+from zephon.fingerprints import lane_digests, step_fingerprint
 from zephon.ops.pack import Pack
 from zephon.runners import processes, threads
 from zephon.sources.memory import ArraySource
-from zephon.verify import lane_digests, step_fingerprint
 
 N = 203  # prime: batches straddle epochs
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from zephon.cli import main
 from zephon.testing import BACKENDS, Builder, Config, matrix, run_config
 from zephon.testing.configs import cross_matrix, placements
-from zephon.testing.sessions import SharedRunners, _runner
+from zephon.testing.sessions import SharedRunners, runner_from_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "verify_pipeline.py"
@@ -97,15 +97,15 @@ def test_steps_shared_before_a_stop_are_what_running_them_again_gives():
 
 def test_process_runners_are_lent_not_closed_by_a_loader():
     with SharedRunners() as pool:
-        r0, r1 = _runner("processes:1", 0), _runner("processes:1", 1)
-        assert r0._inner is not r1._inner and _runner("processes:1", 0)._inner is r0._inner
+        r0, r1 = runner_from_spec("processes:1", 0), runner_from_spec("processes:1", 1)
+        assert r0._inner is not r1._inner and runner_from_spec("processes:1", 0)._inner is r0._inner
         assert list(r0.imap(abs, [-1, -2, 3])) == [1, 2, 3]
         pids = r0.pids
         r0.close()  # a loader's close at the end of its segment: the workers stay
         assert r0.pids == pids and list(r0.imap(abs, [-4])) == [4]
         inner = r0._inner
     assert inner.pids == [] and pool.runners == {}
-    assert _runner("threads:2", 0).__class__.__name__ == "Threads"
+    assert runner_from_spec("threads:2", 0).__class__.__name__ == "Threads"
 
 
 def _report(tmp_path: Path, name: str) -> Path:

@@ -9,7 +9,6 @@ import pickle
 import numpy as np
 
 from zephon import Loader, Source
-from zephon.columns import objects
 from zephon.demo.chatdata import chat_texts, generate_chats
 from zephon.demo.textdata import train_bpe
 from zephon.exec.windows import Window, _Ragged
@@ -17,6 +16,7 @@ from zephon.ops.chat import Chat
 from zephon.ops.pack import Pack
 from zephon.plan import Refs
 from zephon.runners import processes
+from zephon.sources.columns import objects
 from zephon.sources.memory import ArraySource
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from zephon._distribution import version as installed_version
 from zephon.errors import StateError
-from zephon.jsondoc import json_object
+from zephon.plan.jsondoc import json_object
 from zephon.storage.url import is_remote, local_path
 
 #: The newest state format this Zephon reads and writes (`"zephon_state"` in every state).

@@ -7,6 +7,7 @@ catch (ValueError, OSError, ...) so existing handlers keep working.
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any
 
 
@@ -46,3 +47,15 @@ def divisors(n: int) -> list[int]:
     """The positive divisors of `n`, ascending: the counts that split `n` things evenly (error
     messages list them as the choices that work)."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def deprecated_attribute(module: str, name: str, table: dict[str, tuple[Any, str]]) -> Any:
+    """`table[name]`'s object, with a DeprecationWarning naming its replacement, for a module's
+    `__getattr__` that keeps renamed names working for one version; otherwise the AttributeError
+    Python would raise. `table` maps an old name to (the object, what to use instead)."""
+    if name not in table:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    obj, instead = table[name]
+    warnings.warn(f"{module}.{name} is deprecated and will be removed in the next version; use {instead}.",
+                  DeprecationWarning, stacklevel=3)
+    return obj

@@ -117,10 +117,11 @@ class ZephonVerify:
     def configs(self, *configs: str, steps: int | None = None) -> Any:
         """Exactly these configurations, e.g. `"numpy D=2 @5 -> jax mesh=2x4 micro=2"`."""
         __tracebackhide__ = True
-        from zephon.testing import _raise, verify
+        from zephon.testing import verify
+        from zephon.testing.asserts import raise_if_failed
 
         f, n = self._args(steps)
-        return _raise(verify(f, configs, n), "configurations differ")
+        return raise_if_failed(verify(f, configs, n), "configurations differ")
 
 
 @pytest.fixture

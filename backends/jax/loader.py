@@ -35,7 +35,7 @@ from zephon.errors import PlanError, WorkerError
 from zephon.exec.loader import Loader, LocalBatch
 from zephon.exec.resize import check_micro_schedule
 from zephon.ops.base import Operator
-from zephon.plan import Batch
+from zephon.plan import Batching
 from zephon.runners.base import Runner
 from zephon.sources.base import RecordSource
 from zephon.telemetry import Stats
@@ -79,12 +79,12 @@ class JaxLoader:
     steps left and `set_epoch(e)` goes to step 0 of pass `e`.
     """
 
-    def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
+    def __init__(self, plan: Batching, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
                  transforms: Sequence[Operator] = (), *, mesh: Mesh | None = None,
                  batch_axes: BatchAxes = "data", sharding: Shardings | None = None, prefetch: int = 2,
                  exclude: Sequence[str] = (), seed: int = 0, runner: Runner | None = None, start_step: int = 0,
                  **loader_options: Any) -> None:
-        if not isinstance(plan, Batch):
+        if not isinstance(plan, Batching):
             raise PlanError("JaxLoader needs a complete plan: stream.lanes(L).batch(B)")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise PlanError(f"prefetch must be a non-negative integer (batches ahead), got {prefetch!r}")
@@ -116,7 +116,7 @@ class JaxLoader:
         self._state = self._loader.position()
         self._prefetcher: _Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
-        self._abandoned = False  # a prefetch thread did not stop in time (see zephon.closing)
+        self._abandoned = False  # a prefetch thread did not stop in time (see zephon.runners.closing)
         self._ended: _End | _Failure | None = None
         self._ahead: collections.deque[tuple[JaxBatch, dict[str, Any], LocalBatch]] = collections.deque()
         self._provenance: LocalBatch | None = None

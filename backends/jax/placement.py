@@ -18,7 +18,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zephon.errors import PlanError
-from zephon.plan import Batch
+from zephon.plan import Batching
 
 BatchAxes = str | Sequence[str]
 Shardings = NamedSharding | Mapping[str, NamedSharding]
@@ -107,7 +107,7 @@ def process_ranks(sharding: NamedSharding,
     return {proc: DataParallel(blocks.index(span), len(blocks)) for proc, span in spans.items()}
 
 
-def plan_layout(plan: Batch, sharding: NamedSharding, process: int | None = None,
+def plan_layout(plan: Batching, sharding: NamedSharding, process: int | None = None,
                 process_of: Callable[[jax.Device], int] = _process_index) -> DataParallel:
     """Checks that `plan` can feed `sharding` and returns process `process`'s rank and degree.
 

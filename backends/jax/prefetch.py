@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from zephon.backends.jax.batch import Emitter, HostBatch
-from zephon.closing import join_bounded
 from zephon.errors import WorkerError
 from zephon.exec.loader import Loader, LocalBatch
+from zephon.runners.closing import join_bounded
 
 
 class _End:
@@ -65,14 +65,14 @@ class _Prefetcher:
 
     def stop(self) -> bool:
         """Ends the thread and drops the batches it built ahead; False if the thread did not stop
-        within `zephon.closing.STOP_TIMEOUT_S` (abandoned, still inside the loader).
+        within `zephon.runners.closing.STOP_TIMEOUT_S` (abandoned, still inside the loader).
 
         Draining wakes a producer blocked on the full queue, so it sees the stop at once instead
         of after building another batch.
         """
         self._stop.set()
         self._drain()
-        stopped = join_bounded([self._thread], "JaxLoader's prefetch thread")  # never forever: zephon.closing
+        stopped = join_bounded([self._thread], "JaxLoader's prefetch thread")  # never forever: zephon.runners.closing
         self._drain()
         return stopped
 

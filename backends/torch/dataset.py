@@ -25,7 +25,7 @@ from zephon.errors import PlanError, StateError
 from zephon.exec.loader import Loader
 from zephon.exec.resize import check_micro_schedule
 from zephon.ops.base import Operator
-from zephon.plan import Batch
+from zephon.plan import Batching
 from zephon.runners.base import Runner
 
 
@@ -72,7 +72,7 @@ class ZephonIterableDataset(IterableDataset):
     `start_epoch(e)` moves the start to step 0 of pass `e` (what `ZephonDataLoader` does).
     """
 
-    def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Operator] = (), *,
+    def __init__(self, plan: Batching, sources: Sources, transforms: Sequence[Operator] = (), *,
                  seed: int = 0, rank: int | None = None, world: int | None = None,
                  group: dist.ProcessGroup | None = None, runner: Runner | None = None, start_step: int = 0,
                  dtypes: Mapping[str, Any] | None = None, **loader_options: Any) -> None:

@@ -19,7 +19,7 @@ from zephon.backends.torch.state import state_document
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader, LocalBatch
 from zephon.ops.base import Operator
-from zephon.plan import Batch
+from zephon.plan import Batching
 from zephon.runners.base import Runner
 from zephon.sources.base import RecordSource
 from zephon.telemetry import Stats
@@ -46,7 +46,7 @@ class TorchLoader:
     unless `set_epoch(e)` or `load_state_dict` chose where the next one starts.
     """
 
-    def __init__(self, plan: Batch, sources: Sources, transforms: Sequence[Operator] = (), *,
+    def __init__(self, plan: Batching, sources: Sources, transforms: Sequence[Operator] = (), *,
                  seed: int = 0, rank: int | None = None, world: int | None = None,
                  group: dist.ProcessGroup | None = None, mesh: Any = None, mesh_dims: MeshDims = None,
                  runner: Runner | None = None, start_step: int = 0, dtypes: Mapping[str, Any] | None = None,

@@ -11,7 +11,7 @@ order (`order`, `cipher`), `MapWithIndex` sees Grain's index and `RandomMap` dra
 from Grain's own per-index generator. Zephon's lanes, data-parallel ranks, runners and
 checkpoints come on top, and none of them changes the batches. `Dataset.to_grain()` builds the
 equivalent real Grain pipeline and `grain_fingerprints` digests its batches exactly like
-`zephon.verify` digests Zephon's, so Grain is one more column of the verify matrix.
+`zephon.fingerprints` digests Zephon's, so Grain is one more column of the verify matrix.
 
 Records. A Grain source returns Python objects; they travel as one object column (`RECORD`)
 through the Grain transforms, which therefore see exactly what Grain would hand them, and are

@@ -1,7 +1,7 @@
 """Grain-shaped pipeline graph -> Zephon plan and transforms (and back to real Grain).
 
 A `Dataset` records the steps a Grain user writes as a small graph of `_Op` nodes, mirroring the
-nodes Grain would create. `compile_pipeline` turns it into a Zephon plan (`Batch(Lanes(...))`)
+nodes Grain would create. `compile_pipeline` turns it into a Zephon plan (`Batching(Lanes(...))`)
 and a chain of row operators: in `order="grain"` shuffles, mixes and Grain indices become the
 Grain-order nodes of `order`, so the plan names Grain's records; in `order="zephon"` Zephon's own
 `Shuffle`/`Mix`. `to_grain` builds the same graph with real Grain.
@@ -20,7 +20,7 @@ import numpy as np
 from zephon.errors import PlanError
 from zephon.ops.base import Operator, Transform
 from zephon.ops.pack import Pack
-from zephon.plan import Batch, Mix, Node, Repeat, Shuffle, Slice, Source
+from zephon.plan import Batching, Mix, Node, Repeat, Shuffle, Slice, Source
 from zephon.plan import Mapping as LaneMapping
 from zephon.runners.base import Runner
 
@@ -214,7 +214,7 @@ def _nodes(node: Node) -> Iterable[Node]:
 
 @dataclass(frozen=True)
 class _Compiled:
-    plan: Batch
+    plan: Batching
     stream: Node  # the Grain-ordered element stream (before lanes are dealt)
     sources: dict[int, Any]
     transforms: tuple[Operator, ...]
@@ -270,7 +270,7 @@ def compile_pipeline(op: _Op, config: _Config) -> _Compiled:
         # its share of the Grain-ordered stream
         stream = ContiguousBatches(stream, lanes, rows // lanes)
     # Grain's end (partial batches, drop_remainder) is the tail's: the plan drops
-    plan = Batch(stream.lanes(lanes, config.mapping), rows, schedule, remainder="drop")
+    plan = Batching(stream.lanes(lanes, config.mapping), rows, schedule, remainder="drop")
     transforms = with_collate(built.chain) if size is not None else built.chain
     return _Compiled(plan, built.node, dict(enumerate(ctx.sources)), transforms)
 

@@ -13,10 +13,10 @@ import grain
 
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
+from zephon.fingerprints import run_fingerprints
 from zephon.ops.base import Transform
 from zephon.plan import Node
 from zephon.runners.base import Runner
-from zephon.verify import run_fingerprints
 
 from .compile import READ_AHEAD
 from .iterator import CollatingLoader, Iterator

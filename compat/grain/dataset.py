@@ -19,12 +19,12 @@ import numpy as np
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader
 from zephon.exec.steps import read_refs
+from zephon.fingerprints import run_fingerprints
 from zephon.ops.base import Accumulator, Operator, Transform, run_transforms
 from zephon.ops.pack import Pack
-from zephon.plan import Batch
+from zephon.plan import Batching
 from zephon.plan import Mapping as LaneMapping
 from zephon.runners.base import Runner
-from zephon.verify import run_fingerprints
 
 from .compile import GRAIN_INFINITE, Order, _Compiled, _Config, _Op, compile_pipeline, row_ops, to_grain
 from .iterator import CollatingLoader, Iterator
@@ -206,10 +206,10 @@ class Dataset(TailMixin):
         batch (drop_remainder=False) or a `batch_fn` is assembled after the plan (`tail`).
 
         `schedule` (Zephon's, not Grain's) is a batch-size ramp `((0, B0), (step1, B1), ...)`
-        that is part of the plan (see `zephon.batchsize`); `batch_size` may then be omitted.
+        that is part of the plan (see `zephon.plan.batchsizes`); `batch_size` may then be omitted.
         """
         if schedule is not None:
-            from zephon.batchsize import parse_schedule
+            from zephon.plan.batchsizes import parse_schedule
 
             entries = parse_schedule(schedule)
             if not entries or entries[0][0] != 0 or (batch_size is not None and batch_size != entries[0][1]):
@@ -292,7 +292,7 @@ class Dataset(TailMixin):
         return compile_pipeline(self._op if self._remainder_only else self._split.head, self._config)
 
     @property
-    def plan(self) -> Batch:
+    def plan(self) -> Batching:
         """The Zephon plan (JSON-serialisable; see `plan.explain(step)`)."""
         return self._compiled.plan
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from zephon.errors import PlanError, check_positive_int
-from zephon.mixing import _gather_children
 from zephon.plan import Node, PassThrough, Refs
+from zephon.plan.mix import gather_children
 
 from .cipher import index_shuffle
 
@@ -176,7 +176,7 @@ class GrainMix(Node):
         for i, c in enumerate(self.children):
             m = which == i
             inner[m], ep[m] = _split(key[m], c.length)
-        return _gather_children(self.children, which, inner, ep)
+        return gather_children(self.children, which, inner, ep)
 
 
 # --- DataLoader + IndexSampler ----------------------------------------------------------------

@@ -15,11 +15,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from zephon.columns import VALUE, flatten
 from zephon.errors import DecodeError, PlanError
 from zephon.ops.pack import Pack
 from zephon.plan import Refs
 from zephon.sources.base import Columns
+from zephon.sources.columns import VALUE, flatten
 
 from .records import RECORD
 from .transforms import GrainTransform

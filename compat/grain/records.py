@@ -2,7 +2,7 @@
 
 A Grain source returns Python objects; they travel as one object column (`RECORD`) through the
 Grain transforms, which therefore see exactly what Grain would hand them, and are stacked into
-columns once at the end by `zephon.columns` with `tree=True` (Grain's records are pytrees: dict
+columns once at the end by `zephon.sources.columns` with `tree=True` (Grain's records are pytrees: dict
 keys nested with '/', tuple positions, a bare value is `VALUE`). The public names Grain users
 met first (`flatten_record`, `stack_leaves`, `records_to_columns`, `unflatten_columns`) are that
 rule under Grain's vocabulary; what is Grain's own lives here: `records_of` (what a Grain
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from zephon.columns import VALUE, flatten, objects, stack, to_columns, to_records, unflatten
 from zephon.sources.base import Columns
+from zephon.sources.columns import VALUE, flatten, objects, stack, to_columns, to_records, unflatten
 
 RECORD = "__record__"
 """Column holding whole Grain records (Python objects) between source and final stacking."""
@@ -25,7 +25,7 @@ RNG = "__rng__"
 """Column of per-record generators that `grain.DataLoader` shares between its RandomMaps."""
 
 stack_leaves = stack
-"""One column from one leaf per record, as Grain's `np.stack` batches it (`zephon.columns.stack`)."""
+"""One column from one leaf per record, as Grain's `np.stack` batches it (`zephon.sources.columns.stack`)."""
 unflatten_columns = unflatten
 """Columns back to Grain's batch structure: dicts, tuples (digit keys 0..n-1) or a bare array."""
 

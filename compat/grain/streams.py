@@ -21,8 +21,8 @@ from typing import Any
 import grain
 import numpy as np
 
-from zephon.closing import join_bounded
 from zephon.errors import WorkerError
+from zephon.runners.closing import join_bounded
 
 from .cipher import index_shuffle
 from .order import mix_selection

@@ -18,7 +18,6 @@ from typing import Any
 import grain
 import numpy as np
 
-from zephon.columns import objects
 from zephon.errors import PlanError
 from zephon.ops.base import (
     Accumulator,
@@ -31,6 +30,7 @@ from zephon.ops.base import (
 )
 from zephon.plan import Refs
 from zephon.sources.base import Columns
+from zephon.sources.columns import objects
 
 from .order import grain_index_column
 from .records import RECORD, RNG, collate, records_of, records_to_columns

@@ -1,6 +1,6 @@
 """Real Grain as one more column of the verify matrix.
 
-`grain_fingerprints` digests the batches of a real Grain pipeline exactly as `zephon.verify`
+`grain_fingerprints` digests the batches of a real Grain pipeline exactly as `zephon.fingerprints`
 digests Zephon's, and `concat_shards` joins a sharded `grain.DataLoader`'s per-shard batches
 into global batches, so Grain and its Zephon twin can be compared by fingerprint.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon.verify import global_fingerprint
+from zephon.fingerprints import global_fingerprint
 
 from .records import grain_batch_columns, unflatten_columns
 
@@ -21,7 +21,7 @@ def grain_fingerprints(batches: Iterable[Any], steps: int, lanes: int = 1) -> li
     """Step fingerprints of the first `steps` batches of a real Grain pipeline.
 
     Each Grain batch is taken as a global batch split into `lanes` equal lane blocks and digested
-    exactly like `zephon.verify.global_fingerprint` (bytes/str columns compared as exact
+    exactly like `zephon.fingerprints.global_fingerprint` (bytes/str columns compared as exact
     values), so the list equals `Dataset.fingerprints(steps)` of the Zephon twin built with the
     same lane count when the data is the same. For a sharded `grain.DataLoader`, pass the
     shards' batches concatenated (`concat_shards`).

@@ -44,16 +44,16 @@ from zephon.cli.pipelines import (
     demo_lm,
     demo_shuffle,
 )
-from zephon.cli.usage import UsageError, _Parser
+from zephon.cli.usage import Parser, UsageError
 from zephon.errors import ZephonError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    p = _Parser(prog="zephon", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="zephon", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--traceback", action="store_true", help="on an error, print where it was raised")
     p.add_argument("--version", action="version", version=f"zephon {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=Parser)
     for command in (demo, verify, explain, state, bench):
         command.register(sub)
     args, extra = p.parse_known_args(argv)

@@ -16,10 +16,10 @@ import numpy as np
 
 from zephon.checkpoint import load_state, save_state
 from zephon.exec.loader import Loader, merge_states
+from zephon.fingerprints import first_mismatch, run_fingerprints
 from zephon.ops import Filter, Operator
-from zephon.plan import Batch, Source
+from zephon.plan import Batching, Source
 from zephon.sources import ArrayRecordSource, FixedFields, write_sharded_array_record
-from zephon.verify import first_mismatch, run_fingerprints
 
 SPEC = FixedFields({"tokens": ("int32", (32,)), "id": ("int64", ())})
 
@@ -40,12 +40,12 @@ class Run:
     fingerprints: list[str]
 
 
-def _loaders(plan: Batch, src: Any, world: int, transforms: Sequence[Operator],
+def _loaders(plan: Batching, src: Any, world: int, transforms: Sequence[Operator],
              **options: Any) -> list[Loader]:
     return [Loader(plan, src, transforms, rank=r, world=world, **options) for r in range(world)]
 
 
-def resumed_run(plan: Batch, src: Any, steps: int, stop: int, world_before: int,
+def resumed_run(plan: Batching, src: Any, steps: int, stop: int, world_before: int,
                 world_after: int, transforms: Sequence[Operator], state_dir: str,
                 **options: Any) -> list[str]:
     """Runs `stop` steps at one degree, checkpoints every rank's state, resumes at another."""
@@ -59,7 +59,7 @@ def resumed_run(plan: Batch, src: Any, steps: int, stop: int, world_before: int,
     return fps + run_fingerprints(after, steps - stop)
 
 
-def matrix(plan: Batch, src: Any, steps: int, transforms: Sequence[Operator],
+def matrix(plan: Batching, src: Any, steps: int, transforms: Sequence[Operator],
            state_dir: str, extra: Sequence[tuple[str, Callable[[], list[str]]]] = (),
            **options: Any) -> list[Run]:
     from tqdm import tqdm

@@ -26,7 +26,7 @@ examples:
   zephon explain examples/verify_pipeline.py:packed --step 5 --rows 0:2
   zephon explain my_project.data:pipeline --step 100 --world 8 --rank 3
   zephon explain my_project.data:pipeline --step 100000 --from-state ckpt/loader.json
-  zephon explain plan.json --quality --rho 0.1      # how well the plan shuffles (zephon.quality)
+  zephon explain plan.json --quality --rho 0.1      # how well the plan shuffles (zephon.plan.quality)
 """
 
 
@@ -55,7 +55,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.step < 0:
         raise UsageError(f"--step {args.step}: steps count global batches from 0")
     if args.quality:
-        from zephon.quality import shuffle_quality
+        from zephon.plan.quality import shuffle_quality
 
         plan = load_plan(args.target) if _is_plan_target(args.target) else Builder(args.target)(1, 0).loader().plan
         q = shuffle_quality(plan, block=args.block, rho=args.rho)
@@ -63,7 +63,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         return 0
     if _is_plan_target(args.target):
         plan = load_plan(args.target)
-        from zephon.blockshuffle import block_shuffles
+        from zephon.plan.blockshuffle import block_shuffles
 
         for node in block_shuffles(plan):  # the order's own numbers (block, window, stripes)
             print(node.explain_text())

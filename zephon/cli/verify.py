@@ -131,9 +131,9 @@ def _cross(args: argparse.Namespace, builder: Any, configs: list[Any]) -> list[A
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from zephon.report import write_heatmap
     from zephon.testing import Builder, verify
     from zephon.testing.baseline import BaselineError, compare_baseline, load_baseline
+    from zephon.testing.report import write_heatmap
     from zephon.testing.sessions import SharedRunners
 
     if args.steps < 2:

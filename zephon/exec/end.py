@@ -1,6 +1,6 @@
 """The end of a finite plan: the step every data-parallel rank stops at, known before it comes.
 
-With one-to-one pipelines the end follows from the algebra (`Batch.num_steps`). A pipeline that
+With one-to-one pipelines the end follows from the algebra (`Batching.num_steps`). A pipeline that
 changes the number of records (filter, tokenize + pack, a mix by tokens) makes it depend on the
 data, and a rank runs only its own lanes — if each stopped when its own lanes ran out, ranks
 would disagree on the last step (a hang in the first collective of data-parallel training). So a
@@ -40,7 +40,7 @@ from zephon.exec.pipeline import LanePipeline
 from zephon.exec.state import LaneState
 from zephon.exec.steps import StepTask
 from zephon.exec.windows import take_rows
-from zephon.plan import Batch, Mix, Refs
+from zephon.plan import Batching, Mix, Refs
 from zephon.sources.base import Columns, RecordSource
 from zephon.telemetry import TOKEN_FIELDS, count_tokens
 
@@ -189,9 +189,9 @@ class FiniteEnd:
     """Mixed into `Loader`: the steps of a count-changing pipeline up to the plan's end, padding
     where lanes ran out; `end_step()`, `len()` and `set_epoch()`."""
 
-    plan: Batch
+    plan: Batching
     sources: Mapping[int, RecordSource]
-    pipeline: LanePipeline
+    stages: LanePipeline
     owned: np.ndarray
     seed: int
     runner: Runner | None
@@ -233,7 +233,7 @@ class FiniteEnd:
         if self._exhausted:
             return self._blank_step()
         if self._engine is None:
-            self._engine = LaneEngine(self.plan, self.sources, self.pipeline, self.owned, self.seed, self.runner,
+            self._engine = LaneEngine(self.plan, self.sources, self.stages, self.owned, self.seed, self.runner,
                                       self.read_ahead, self._lane_states, self._step, self.epoch)
             self._engine.sink = sink
         mark = self._engine.mark() if end is None and not self.plan.pad else None
@@ -305,7 +305,7 @@ class FiniteEnd:
         """A step of padding only (this rank's lanes ran out; another rank's have not)."""
         rows = len(self.owned) * self.plan.per_lane_at(self._step)
         schema = self._schema or self._probe_schema()
-        prov: Any = ([[] for _ in range(rows)] if self.pipeline.acc is not None
+        prov: Any = ([[] for _ in range(rows)] if self.stages.acc is not None
                      else Refs(np.full(rows, -1, np.int64), np.full(rows, -1, np.int64),
                                np.full(rows, -1, np.int64)))
         return blank_rows(schema, rows), prov, np.zeros(rows, bool)
@@ -314,7 +314,7 @@ class FiniteEnd:
         """What a row looks like, from the first lane of the plan that has one."""
         for lane in range(self.plan.lanes.count):
             owned = np.array([lane], np.int64)
-            engine = LaneEngine(self.plan, self.sources, self.pipeline, owned, self.seed, None,
+            engine = LaneEngine(self.plan, self.sources, self.stages, owned, self.seed, None,
                                 self.plan.per_lane_at(0), self._start_states(owned), 0, self.epoch)
             try:
                 cols, _, valid = engine.next()
@@ -378,7 +378,7 @@ class FiniteEnd:
         else:  # every lane of the plan: from a merged state restored here, else from the start
             lanes = np.arange(self.plan.lanes.count, dtype=np.int64)
             step, states = self._everyone or (0, self._start_states(lanes))
-        engine = LaneEngine(self.plan, self.sources, self.pipeline, lanes, self.seed, None, self.read_ahead,
+        engine = LaneEngine(self.plan, self.sources, self.stages, lanes, self.seed, None, self.read_ahead,
                             states, step, self.epoch)
         local = count_end(engine, step, self.plan.pad)
         self._schema = self._schema or local.schema

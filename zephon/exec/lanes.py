@@ -40,7 +40,7 @@ from zephon.exec.schedule import TokenSchedule
 from zephon.exec.state import LaneState, canonical
 from zephon.exec.steps import Sink
 from zephon.exec.windows import LaneItem, Provenance, Window, WindowTask, privatize, rematerialize, window_size
-from zephon.plan import Batch, Mix, Refs
+from zephon.plan import Batching, Mix, Refs
 from zephon.sources.base import Columns, RecordSource
 
 if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
@@ -64,7 +64,7 @@ class LaneEngine(PerLaneAssembly):
     whose inputs ran out pads its rows (invalid) until every owned lane ran out.
     """
 
-    def __init__(self, plan: Batch, sources: Mapping[int, RecordSource], pipeline: LanePipeline,
+    def __init__(self, plan: Batching, sources: Mapping[int, RecordSource], pipeline: LanePipeline,
                  owned: np.ndarray, seed: int, runner: Runner | None, read_ahead: int,
                  states: Sequence[LaneState], step: int = 0, epoch: int = 0) -> None:
         self.plan, self.sources, self.pipeline = plan, sources, pipeline

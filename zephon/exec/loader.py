@@ -13,75 +13,89 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, overload
 
 import numpy as np
 
-from zephon.accounting import domain_fields
-from zephon.blockshuffle import follow_blocks, resolve_blocks
 from zephon.checkpoint import STATE_VERSION
 from zephon.errors import PlanError, StateError, check_positive_int
+from zephon.exec.accounting import domain_fields
 from zephon.exec.batch import LocalBatch, check_micro_count
-from zephon.exec.end import AllGather, FiniteEnd, Unemitted
+from zephon.exec.end import FiniteEnd, Unemitted
 from zephon.exec.lanes import LaneEngine
 from zephon.exec.padding import VALID, Schema
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.resize import check_micro_schedule
 from zephon.exec.resume import Resumable
 from zephon.exec.state import LaneState, check_state, merge_states
-from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps, leaf_sources, plan_nodes
-from zephon.ops.base import JSON, Operator, Transform, run_transforms
-from zephon.plan import Batch, Mix, Refs
-from zephon.sources.base import Columns, RecordSource
+from zephon.exec.steps import READ_AHEAD_ROWS, StepTask, as_source_map, iterate_steps
+from zephon.ops.base import JSON, Operator, run_transforms
+from zephon.pipeline import How, Pipeline, Where, split_old_form
+from zephon.plan import Batching, Mix, Refs
+from zephon.plan.blockshuffle import follow_blocks, resolve_blocks
+from zephon.plan.walk import leaf_sources, plan_nodes
+from zephon.sources.base import Columns
 from zephon.telemetry import StageSink, Stats, Telemetry
 from zephon.telemetry import make as telemetry_recorder
 from zephon.telemetry import require as require_telemetry
 
-if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
-    from zephon.runners.base import Runner
 
 class Loader(FiniteEnd, Resumable):
-    """Iterates global batches `start, start+1, ...` of a plan, materialising owned rows only.
+    """Iterates global batches `start, start+1, ...` of a pipeline, materialising owned rows only.
 
     Args:
-      plan: the root `Batch` node.
-      sources: one record source, a list (index = `Source.id`) or a mapping id -> source.
-      transforms: lane operators applied in every lane, in order: row operators (`Map`,
-        `RandomMap`, `Filter`, `FlatMap`, `Tokenize`, ...), at most one `Accumulator` (`Pack`),
-        then one-to-one operators.
-      per_source: `{source id: [row operators]}` applied to that source's rows first — each
-        corpus of a mix its own text field, tokenizer or filter.
-      seed: seeds data-derived randomness (`RandomMap`); part of the state's identity.
-      rank: this process's data-parallel rank, `0 <= rank < world`.
-      world: the data-parallel degree; `plan.lanes.count % world == 0`.
-      runner: `zephon.runners.inline()` (default), `threads(n)` or `processes(n)`: computes steps
-        (or lane windows) ahead in parallel; changes speed, never data. `close()` closes it.
+      pipeline: a `zephon.Pipeline(plan, sources, ops, per_source=, seed=)`: what is read.
+      where: a `zephon.Where(rank=, world=, lanes=, all_gather=)`: this process's data-parallel
+        rank of `world` (default 0 of 1); `lanes` produces only these of the rank's lanes (in
+        lane order) — how DataLoader workers split a rank's lanes; `position()`/`state()` then
+        cover just them (merge them); `all_gather` is how ranks agree on a finite count-changing
+        plan's end (`zephon.exec.end`; without one, each counts all lanes).
+      how: a `zephon.How(runner=, read_ahead=, telemetry=, micro_batches=, domains=)`: speed and
+        reporting, never data (see `zephon.How`). `close()` closes the runner.
       start_step: first global batch (random-access pipelines; others restore a state).
-      read_ahead: rows one read aims for (default `READ_AHEAD_ROWS`). Changes speed, never data.
-      lanes: produce only these of the rank's lanes (in lane order) — how DataLoader workers
-        split a rank's lanes; `position()`/`state()` then cover just them (merge them).
-      micro_batches: the micro-batch count the training loop will cut every batch into; checked
-        here, against every batch size of the plan's schedule, instead of at the step it fails.
-      telemetry: True (default), False, or a `zephon.Telemetry(log_every=..., progress=...)`:
-        what `stats()` reports (stall, stage times, throughput). Never changes the data.
-      domains: add per-domain accounting fields to every batch (`source_id`, and for packed
-        rows `tokens_by_source`, `trained_by_source`; see `zephon.accounting`).
-      all_gather: `[ints] -> every rank's [ints]` through the runtime in use: how ranks agree on
-        a finite count-changing plan's end (`zephon.exec.end`; without one, each counts all lanes).
       epoch: the pass over a finite plan (`repeat()`'s order); `set_epoch(e)`; in the state.
       end: the plan's end step if known already (a DataLoader's workers are told it): no counting.
 
-    A finite plan ends at the same step on every rank (`Batch.remainder`); `len()`: steps left.
+    The old form `Loader(plan, sources, transforms, seed=, rank=, world=, runner=, ...)` works
+    for this version with a `DeprecationWarning` naming the new one.
+
+    A finite plan ends at the same step on every rank (`Batching.remainder`); `len()`: steps left.
     """
 
-    def __init__(self, plan: Batch, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
-                 transforms: Sequence[Any] = (), *, per_source: Mapping[int, Sequence[Transform]] | None = None,
-                 seed: int = 0, rank: int = 0, world: int = 1, runner: Runner | None = None, start_step: int = 0,
-                 read_ahead: int | None = None, lanes: Sequence[int] | None = None,
-                 micro_batches: int | None = None, telemetry: bool | Telemetry = True,
-                 domains: bool = False, all_gather: AllGather | None = None, epoch: int = 0,
-                 end: int | None = None) -> None:
-        if not isinstance(plan, Batch):
+    @overload
+    def __init__(self, pipeline: Pipeline, where: Where | None = None, how: How | None = None, *,
+                 start_step: int = 0, epoch: int = 0, end: int | None = None) -> None: ...
+
+    @overload  # deprecated: Loader(plan, sources, transforms, seed=, rank=, world=, runner=, ...)
+    def __init__(self, pipeline: Batching, where: Any, how: Sequence[Any] = (), *,
+                 start_step: int = 0, epoch: int = 0, end: int | None = None, **old_form: Any) -> None: ...
+
+    def __init__(self, pipeline: Pipeline | Batching, where: Any = None, how: Any = None, *,
+                 start_step: int = 0, epoch: int = 0, end: int | None = None, **old_form: Any) -> None:
+        if not isinstance(pipeline, Pipeline):  # Loader(plan, sources, transforms, **options)
+            start_step = old_form.pop("start_step", start_step)
+            pipeline, where, how, rest = split_old_form(
+                "zephon.Loader", pipeline, where, old_form.pop("transforms", how), old_form)
+            if rest:
+                raise TypeError(f"Loader() got unexpected keyword arguments {sorted(rest)}")
+        elif old_form:
+            raise TypeError(f"Loader(pipeline, where=, how=) got unexpected keyword arguments {sorted(old_form)}; "
+                            "rank/world/lanes/all_gather go in zephon.Where, runner/read_ahead/telemetry/"
+                            "micro_batches/domains in zephon.How.")
+        where = Where() if where is None else where
+        how = How() if how is None else how
+        for what, v, cls in (("where", where, Where), ("how", how, How)):
+            if not isinstance(v, cls):
+                raise PlanError(f"Loader({what}=...) takes a zephon.{cls.__name__}, got {type(v).__name__}")
+        #: the value this loader reads, and its two option groups
+        self.pipeline, self.where, self.how = pipeline, where, how
+        plan, sources, transforms = pipeline.plan, pipeline.sources, pipeline.ops
+        per_source, seed = pipeline.per_source, pipeline.seed
+        rank, world = where.rank_world()
+        lanes, all_gather = where.lanes, where.all_gather
+        runner, read_ahead, telemetry = how.runner, how.read_ahead, how.telemetry
+        micro_batches, domains = how.micro_batches, how.domains
+        if not isinstance(plan, Batching):
             raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
         self.sources = as_source_map(sources)
         plan = resolve_blocks(plan, self.sources)  # block_shuffle(block="auto"): the sources' unit
@@ -98,17 +112,17 @@ class Loader(FiniteEnd, Resumable):
             raise PlanError("a Mix by tokens (or stop='all') must be the direct child of .lanes(L).")
         for sid, src in self.sources.items():
             if not callable(getattr(src, "read", None)):
-                how = ("it has __len__ and __getitem__ (a Grain/torch-style source): wrap it in "
+                hint = ("it has __len__ and __getitem__ (a Grain/torch-style source): wrap it in "
                        "zephon.compat.grain.GrainSource (records in one column, for Grain-style "
                        "transforms), or give it read(indices) -> {field: array}" if
                        hasattr(src, "__getitem__") and hasattr(src, "__len__") else
                        "give it __len__ and read(indices) -> {field: array}")
                 raise PlanError(f"source {sid} ({type(src).__name__}) is not a Zephon record source: "
-                                f"{how} (e.g. zephon.sources.ArraySource for arrays in memory).")
+                                f"{hint} (e.g. zephon.sources.ArraySource for arrays in memory).")
         self.domains = bool(domains)
         self._n_sources = max((s.id for s in leaf_sources(plan)), default=0) + 1
-        self.pipeline = LanePipeline.split(transforms, per_source)
-        self.transforms = self.pipeline.ops
+        self.stages = LanePipeline.split(transforms, per_source)
+        self.transforms = self.stages.ops
         if getattr(runner, "pickles", False):  # processes(): say so now, not at some later batch
             _check_picklable(self.transforms)
         for what, v in (("seed", seed), ("rank", rank), ("world", world), ("epoch", epoch)):
@@ -137,9 +151,9 @@ class Loader(FiniteEnd, Resumable):
         self.branches = len(plan.lanes.branches)
         self.token_mix = self.branches > 1
         #: Whether batches are random access (every lane position is `step × B/L`).
-        self.random_access = self.pipeline.one_to_one and not self.token_mix
+        self.random_access = self.stages.one_to_one and not self.token_mix
         self.one_to_one = self.random_access
-        if plan.remainder == "auto":  # pad where lanes run out at different steps (see Batch)
+        if plan.remainder == "auto":  # pad where lanes run out at different steps (see Batching)
             self.plan = plan = dataclasses.replace(
                 plan, remainder="pad" if not self.random_access and self.finite else "drop")
         #: what the plan's end leaves unemitted in an epoch (`remainder="drop"`), once known
@@ -148,12 +162,12 @@ class Loader(FiniteEnd, Resumable):
         self._seen = [0, 0]
         self.runner = runner
         # an operator whose rows are costly (a decoded image) may ask for fewer rows per read
-        hints = [getattr(t, "read_ahead_rows", None) for t in self.pipeline.ops]
+        hints = [getattr(t, "read_ahead_rows", None) for t in self.stages.ops]
         default = min([READ_AHEAD_ROWS, *(int(h) for h in hints if h)])
         self.read_ahead = default if read_ahead is None else check_positive_int(read_ahead, "read_ahead")
         #: lane positions relative to the plan's (a random-access run resumed at another batch size)
         self._shift = 0
-        self._task = StepTask(plan, self.sources, self.pipeline.rows, self.owned, self.seed, self.epoch)
+        self._task = StepTask(plan, self.sources, self.stages.rows, self.owned, self.seed, self.epoch)
         self._pending: Iterator[tuple[Columns, Refs]] | None = None
         self._busy = False  # a batch is being produced (a second thread gets a clear error)
         self._engine: LaneEngine | None = None
@@ -177,11 +191,11 @@ class Loader(FiniteEnd, Resumable):
                 for _ in (self.owned if lanes is None else lanes)]
 
     def _why(self) -> str:
-        if self.pipeline.acc is not None:
-            return f"accumulator {self.pipeline.acc.op_name}"
+        if self.stages.acc is not None:
+            return f"accumulator {self.stages.acc.op_name}"
         if self.token_mix:
             return "a Mix by tokens"
-        return ", ".join(t.op_name for t in self.pipeline.rows if not t.one_to_one)
+        return ", ".join(t.op_name for t in self.stages.rows if not t.one_to_one)
 
     # --- iteration ---------------------------------------------------------------------------
     @property
@@ -195,11 +209,11 @@ class Loader(FiniteEnd, Resumable):
     def _batch(self, step: int, cols: Columns, refs: Refs | None = None,
                segments: Any = None, valid: np.ndarray | None = None) -> LocalBatch:
         per = self.plan.per_lane_at(step)
-        if self.pipeline.post:
+        if self.stages.post:
             post_refs = Refs(np.repeat(self.owned, per),
                              self.plan.lane_offset(step) + self._shift + np.tile(np.arange(per), len(self.owned)),
                              np.full(len(self.owned) * per, -1, np.int64))
-            cols, _ = run_transforms(self.pipeline.post, cols, post_refs, self.seed ^ 0x5EED)
+            cols, _ = run_transforms(self.stages.post, cols, post_refs, self.seed ^ 0x5EED)
         if self.domains:
             cols = {**cols, **domain_fields(cols, refs, segments, self._n_sources)}
         if self.plan.pad:
@@ -333,7 +347,7 @@ class Loader(FiniteEnd, Resumable):
             at = self.plan.lane_offset(self._step) + self._shift
             lanes = {str(int(l)): LaneState.start(1, at).to_json() for l in self.owned}
         else:
-            acc = self.pipeline.acc is not None
+            acc = self.stages.acc is not None
             states = self._engine.states if self._engine is not None else self._lane_states
             lanes = {str(int(l)): s.to_json(acc) for l, s in zip(self.owned, states)}
         out: dict[str, Any] = {"step": self._step, "lanes": lanes}

@@ -21,7 +21,7 @@ from zephon.exec.pipeline import LanePipeline
 from zephon.exec.schedule import TokenSchedule
 from zephon.exec.state import LaneState, canonical
 from zephon.exec.windows import Provenance, Window, concat_cols, take_rows
-from zephon.plan import Batch, Refs
+from zephon.plan import Batching, Refs
 from zephon.sources.base import Columns
 
 Segment = tuple[int, int, int, int, int]  # (source, record, epoch, token start, token stop)
@@ -33,7 +33,7 @@ class PerLaneAssembly:
     pipeline: LanePipeline
     schedule: TokenSchedule | None
     owned: np.ndarray
-    plan: Batch
+    plan: Batching
     nb: int
     step: int
     _skip_applied: bool

@@ -17,12 +17,12 @@ from typing import Any
 
 from zephon.errors import PlanError, StateError, check_positive_int
 from zephon.exec.batch import check_micro_count
-from zephon.plan import Batch, Node
+from zephon.plan import Batching, Node
 
 log = logging.getLogger(__name__)
 
 
-def check_micro_schedule(plan: Batch, n: Any, shards: int) -> int:
+def check_micro_schedule(plan: Batching, n: Any, shards: int) -> int:
     """`n` if it splits the rows each of `shards` equal blocks holds at every batch size of the
     plan's schedule; otherwise a PlanError naming the first step and size it does not split."""
     n = check_positive_int(n, "micro_batches")
@@ -33,7 +33,7 @@ def check_micro_schedule(plan: Batch, n: Any, shards: int) -> int:
     return n
 
 
-def batch_change(saved: Any, plan: Batch, allowed: bool) -> Batch | None:
+def batch_change(saved: Any, plan: Batching, allowed: bool) -> Batching | None:
     """The state's plan if it differs from `plan` in its batch size or schedule only (None if
     it differs otherwise) — and, when it does, a StateError naming the sizes unless `allowed`."""
     mine = plan.to_json()
@@ -46,7 +46,7 @@ def batch_change(saved: Any, plan: Batch, allowed: bool) -> Batch | None:
         old = Node.from_json(dict(saved))
     except PlanError:
         return None
-    if not isinstance(old, Batch) or (old.size, old.schedule) == (plan.size, plan.schedule):
+    if not isinstance(old, Batching) or (old.size, old.schedule) == (plan.size, plan.schedule):
         return None
     if not allowed:
         raise StateError(f"this checkpoint was written with global batch {_describe_sizes(old)} "

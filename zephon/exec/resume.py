@@ -21,19 +21,19 @@ from zephon.exec.schedule import check_counters
 from zephon.exec.state import LaneState, check_state
 from zephon.exec.steps import StepTask
 from zephon.ops.base import identity_diff
-from zephon.plan import Batch, Mix, plan_diff
+from zephon.plan import Batching, Mix, plan_diff
 
 
 class Resumable:
     """`restore()` and `seek_position()` of `Loader`."""
 
-    plan: Batch
+    plan: Batching
     owned: np.ndarray
     rank: int
     world: int
     branches: int
     token_mix: bool
-    pipeline: LanePipeline
+    stages: LanePipeline
     random_access: bool
     _ends: dict[int, int | None]
     _shift: int
@@ -53,7 +53,7 @@ class Resumable:
         A state saved under another global batch size (or schedule) of the same plan is
         refused, naming both, unless `allow_batch_change=True`: then every lane continues
         exactly where it stopped — no record skipped or repeated — and the batches from the
-        saved step on are this plan's sizes (`zephon.batchsize`).
+        saved step on are this plan's sizes (`zephon.plan.batchsizes`).
         """
         check_state(state)
         mine = self.identity()
@@ -130,7 +130,7 @@ class Resumable:
         parsed = [parse(int(l)) for l in self.owned]
         mix = self.plan.lanes.child
         if self.token_mix and isinstance(mix, Mix):
-            check_counters(mix, self.pipeline, step, zip((int(l) for l in self.owned), parsed))
+            check_counters(mix, self.stages, step, zip((int(l) for l in self.owned), parsed))
         if self.plan.lane_offset(step) + shift < 0:
             raise StateError(f"the state's lane_shift {shift} puts step {step} before the lanes' "
                              "first input; the state was edited.")

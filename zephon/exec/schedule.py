@@ -24,11 +24,11 @@ import numpy as np
 from zephon.errors import PlanError, StateError
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.state import LaneState
-from zephon.exec.steps import leaf_sources
 from zephon.exec.windows import Window
 from zephon.ops.base import Transform
 from zephon.ops.mix import PerSource
 from zephon.plan import Mix
+from zephon.plan.walk import leaf_sources
 from zephon.sources.base import Columns
 
 #: `(branch, count) -> the lane's next `count` unused rows of that branch (fewer if it ended)`

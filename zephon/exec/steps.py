@@ -22,7 +22,7 @@ import numpy as np
 from zephon.errors import PlanError
 from zephon.exec.padding import Schema, scatter, schema_of
 from zephon.ops.base import Transform, run_transforms
-from zephon.plan import Batch, Node, Refs, Source
+from zephon.plan import Batching, Refs
 from zephon.sources.base import Columns, RecordSource
 from zephon.telemetry import column_bytes
 
@@ -40,21 +40,6 @@ def as_source_map(sources: RecordSource | Sequence[RecordSource] | Mapping[int, 
     if isinstance(sources, (list, tuple)):
         return dict(enumerate(sources))
     return {0: sources}  # type: ignore[dict-item]
-
-
-def leaf_sources(node: Node) -> list[Any]:
-    if isinstance(node, Source):
-        return [node]
-    kids = getattr(node, "children", None) or ((node.child,) if hasattr(node, "child") else ())
-    return [s for c in kids for s in leaf_sources(c)]
-
-
-def plan_nodes(node: Any) -> Iterator[Any]:
-    """Every node of a plan, depth first."""
-    yield node
-    kids = getattr(node, "children", None) or ((node.child,) if hasattr(node, "child") else ())
-    for c in kids:
-        yield from plan_nodes(c)
 
 
 def read_refs(sources: Mapping[int, RecordSource], refs: Refs) -> Columns:
@@ -90,7 +75,7 @@ READ_AHEAD_ROWS = 16384
 READ_AHEAD_BYTES = 16 << 20
 
 
-def steps_refs(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: int = 1,
+def steps_refs(plan: Batching, start: int, count: int, lanes: np.ndarray, stride: int = 1,
                epoch: int = 0) -> Refs:
     """The refs of steps start, start+stride, ... (`count` of them, rows owned by `lanes`) in
     pass `epoch` over the plan; with `remainder="pad"`, rows past a lane's end have source -1.
@@ -101,7 +86,7 @@ def steps_refs(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: i
     return steps_rows(plan, start, count, lanes, stride, 0, epoch)[0]
 
 
-def steps_rows(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: int = 1, shift: int = 0,
+def steps_rows(plan: Batching, start: int, count: int, lanes: np.ndarray, stride: int = 1, shift: int = 0,
                epoch: int = 0) -> tuple[Refs, np.ndarray]:
     """`steps_refs` and how many rows each step has (a batch-size schedule changes them);
     `shift` moves every lane position (a run resumed at another batch size)."""
@@ -128,7 +113,7 @@ def steps_rows(plan: Batch, start: int, count: int, lanes: np.ndarray, stride: i
     return plan.lanes.resolve_lanes(lane, index, 0, epoch), rows
 
 
-def _steps_with_shift(plan: Batch, shift: int) -> int | None:
+def _steps_with_shift(plan: Batching, shift: int) -> int | None:
     return plan.steps_over(shift)
 
 
@@ -175,7 +160,7 @@ class StepTask:
     per step, so a batched transform sees exactly one step's rows, as it would inline.
     """
 
-    plan: Batch
+    plan: Batching
     sources: Mapping[int, RecordSource]
     transforms: tuple[Transform, ...]
     lanes: np.ndarray

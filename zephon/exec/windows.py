@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from zephon.columns import objects
 from zephon.errors import PlanError, StateError
 from zephon.exec.steps import raise_captured, read_refs
 from zephon.ops.base import Transform, run_transforms, sub_index
 from zephon.plan import Lanes, Refs
 from zephon.sources.base import Columns, RecordSource
+from zephon.sources.columns import objects
 from zephon.telemetry import column_bytes
 
 Provenance = tuple[int, int, int, int, int, int]  # (branch, input, output, source, record, epoch)

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from zephon.errors import PlanError
-from zephon.mixing import Mix
 from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
-from zephon.plan import Batch, Source
+from zephon.plan import Batching, Source
+from zephon.plan.mix import Mix
 from zephon.sources.base import RecordSource
 
 
@@ -25,7 +25,7 @@ from zephon.sources.base import RecordSource
 class TextPipeline:
     """What a `zephon.Loader` needs for packed, mixed pretraining text: plan, sources, operators."""
 
-    plan: Batch
+    plan: Batching
     sources: list[RecordSource]
     transforms: list[Any]
     per_source: dict[int, list[Any]]

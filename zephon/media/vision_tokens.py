@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from zephon.columns import objects
 from zephon.errors import DecodeError, PlanError
 from zephon.media.headers import image_sizes
 from zephon.media.patches import Patches
@@ -36,6 +35,7 @@ from zephon.ops.base import Transform
 from zephon.ops.chat import Chat, ChatTemplate
 from zephon.plan import Refs
 from zephon.sources.base import Columns
+from zephon.sources.columns import objects
 
 __all__ = ["VisionTokens"]
 

@@ -52,7 +52,7 @@ import numpy as np
 
 from zephon.errors import DecodeError, PlanError, check_positive_int
 from zephon.media.patches import Patches
-from zephon.ops.base import Accumulator, Step
+from zephon.ops.base import Accumulator, AccumulatorStep
 from zephon.sources.base import Columns
 
 __all__ = ["VLMPack"]
@@ -172,14 +172,14 @@ class VLMPack(Accumulator):
                     or int(imgs[b].sum()) > self.max_images):
                 raise ValueError(f"bin {b!r} exceeds the row budgets")
 
-    def step(self, carry: Any, held: Columns, new: Columns, demand: int) -> Step:
+    def step(self, carry: Any, held: Columns, new: Columns, demand: int) -> AccumulatorStep:
         return self._step(carry, held, new, demand, final=False)
 
-    def finish(self, carry: Any, held: Columns, new: Columns, demand: int) -> Step:
+    def finish(self, carry: Any, held: Columns, new: Columns, demand: int) -> AccumulatorStep:
         """The lane ended (a finite plan): every open row is emitted, so no document is lost."""
         return self._step(carry, held, new, demand, final=True)
 
-    def _step(self, carry: Any, held: Columns, new: Columns, demand: int, final: bool) -> Step:
+    def _step(self, carry: Any, held: Columns, new: Columns, demand: int, final: bool) -> AccumulatorStep:
         self._check(held)
         self._check(new)
         h = len(held["tokens"]) if held else 0
@@ -232,7 +232,7 @@ class VLMPack(Accumulator):
         slot = {d: i for i, d in enumerate(referenced)}
         new_carry = {"bins": [[slot[d] for d in b] for b in bins]} if bins else None
         segments = [[(d, 0, int(toks[d])) for d in row] for row in rows]
-        return Step(self._emit(cols, rows), max(0, q - h), referenced, new_carry, segments)
+        return AccumulatorStep(self._emit(cols, rows), max(0, q - h), referenced, new_carry, segments)
 
     # --- rows (pixels decoded here, once the rows are fixed) ------------------------------------
     def _emit(self, cols: Columns, rows: list[list[int]]) -> Columns:

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from zephon.errors import DecodeError, PlanError, StateError
-from zephon.permute import splitmix64
+from zephon.errors import DecodeError, PlanError, StateError, deprecated_attribute
 from zephon.plan import Refs
+from zephon.plan.permute import splitmix64
 from zephon.sources.base import Columns
 
 Record = dict[str, Any]
@@ -248,7 +248,7 @@ def sub_index(src: np.ndarray) -> np.ndarray:
 
 # --- accumulators -------------------------------------------------------------------------------
 @dataclass
-class Step:
+class AccumulatorStep:
     """What an accumulator's `step` returns.
 
     outputs: the rows it emitted (at most `demand`; fewer means it needs more inputs).
@@ -268,12 +268,12 @@ class Step:
 
 
 class Accumulator(Operator):
-    """A stateful lane operator: `step(carry, held, new, demand) -> Step`.
+    """A stateful lane operator: `step(carry, held, new, demand) -> AccumulatorStep`.
 
-    `held` are the inputs the previous call kept (`Step.hold`, re-materialised after a restore),
-    `new` the next inputs of the lane, both as columns; `carry` the JSON it returned last (None
-    at the start of a lane). It must be pure — the same arguments give the same `Step` — and emit
-    at most `demand` rows. Example, pairing consecutive records::
+    `held` are the inputs the previous call kept (`AccumulatorStep.hold`, re-materialised after a
+    restore), `new` the next inputs of the lane, both as columns; `carry` the JSON it returned
+    last (None at the start of a lane). It must be pure — the same arguments give the same
+    `AccumulatorStep` — and emit at most `demand` rows. Example, pairing consecutive records::
 
         class Pairs(zephon.Accumulator):
             def step(self, carry, held, new, demand):
@@ -282,8 +282,8 @@ class Accumulator(Operator):
                 used = 2 * n - len(held["x"])           # new inputs in emitted pairs
                 rest = len(x) - 2 * n
                 keep = [2 * n] if rest and len(new["x"]) > used else []
-                return zephon.Step({"a": x[0:2 * n:2], "b": x[1:2 * n:2]},
-                                   consumed=used + len(keep), hold=keep)
+                return zephon.AccumulatorStep({"a": x[0:2 * n:2], "b": x[1:2 * n:2]},
+                                              consumed=used + len(keep), hold=keep)
     """
 
     #: True when the rows emitted do not depend on how the lane's inputs are cut into calls
@@ -293,11 +293,11 @@ class Accumulator(Operator):
     #: Leave it False unless that holds: the engine's fixed numbers keep the rest deterministic.
     streams: bool = False
 
-    def step(self, carry: JSON, held: Columns, new: Columns, demand: int) -> Step:
+    def step(self, carry: JSON, held: Columns, new: Columns, demand: int) -> AccumulatorStep:
         raise NotImplementedError(f"{type(self).__name__} subclasses Accumulator but does not "
-                                  "implement step(carry, held, new, demand) -> Step")
+                                  "implement step(carry, held, new, demand) -> AccumulatorStep")
 
-    def finish(self, carry: JSON, held: Columns, new: Columns, demand: int) -> Step:
+    def finish(self, carry: JSON, held: Columns, new: Columns, demand: int) -> AccumulatorStep:
         """Like `step`, when `new` holds the lane's last inputs (a finite plan ends): emit what
         the carry still holds if it makes rows. Default: `step`."""
         return self.step(carry, held, new, demand)
@@ -305,3 +305,13 @@ class Accumulator(Operator):
     def check_carry(self, carry: JSON, held: Columns) -> None:
         """Raises ValueError naming what is wrong with a restored `carry` for these `held` inputs
         (a hand-edited or foreign state); the loader reports it with the lane. Default: any."""
+
+
+#: Names kept for one version: old name -> (the object, what to use instead).
+DEPRECATED: dict[str, tuple[Any, str]] = {
+    "Step": (AccumulatorStep, "zephon.AccumulatorStep (what an accumulator's step() returns)"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    return deprecated_attribute(__name__, name, DEPRECATED)

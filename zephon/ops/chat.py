@@ -41,13 +41,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from zephon.columns import objects
 from zephon.errors import DecodeError, PlanError
 from zephon.ops.base import Transform
 from zephon.ops.pretoken_join import encode_joined
 from zephon.ops.tokenize import Tokenize
 from zephon.plan import Refs
 from zephon.sources.base import Columns
+from zephon.sources.columns import objects
 
 Piece = tuple[str, bool]  # (text, trained)
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use sentinels around generation blocks

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from zephon.columns import to_columns, to_records
 from zephon.errors import PlanError
 from zephon.ops.base import Transform, call_on_record, output_of
 from zephon.plan import Refs
 from zephon.sources.base import Columns
+from zephon.sources.columns import to_columns, to_records
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from zephon.columns import to_columns, to_records
 from zephon.ops.base import Transform, call_on_record, output_of, record_rng, record_seeds
 from zephon.plan import Refs
 from zephon.sources.base import Columns
+from zephon.sources.columns import to_columns, to_records
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import numpy as np
 
 from zephon.errors import PlanError
-from zephon.ops.base import Accumulator, Step
+from zephon.ops.base import Accumulator, AccumulatorStep
 from zephon.sources.base import Columns
 
 Mode = Literal["concat", "first_fit", "best_fit"]
@@ -165,15 +165,15 @@ class Pack(Accumulator):
             raise ValueError(f"the carry names held inputs {sorted(used)}, but {n} are held")
 
     # --- the operator ------------------------------------------------------------------------
-    def step(self, carry: Any, held: Columns, new: Columns, demand: int) -> Step:
+    def step(self, carry: Any, held: Columns, new: Columns, demand: int) -> AccumulatorStep:
         return self._step(carry, held, new, demand, final=False)
 
-    def finish(self, carry: Any, held: Columns, new: Columns, demand: int) -> Step:
+    def finish(self, carry: Any, held: Columns, new: Columns, demand: int) -> AccumulatorStep:
         """The lane's inputs ended (a finite plan): the last partial row and every open row are
         emitted, padded, so no token is lost at the end either."""
         return self._step(carry, held, new, demand, final=True)
 
-    def _step(self, carry: Any, held: Columns, new: Columns, demand: int, final: bool) -> Step:
+    def _step(self, carry: Any, held: Columns, new: Columns, demand: int, final: bool) -> AccumulatorStep:
         if (held and self.field not in held) or (new and self.field not in new):
             have = sorted(held or new)
             raise PlanError(f"Pack reads token column {self.field!r}, but the rows have {have}; "
@@ -185,7 +185,7 @@ class Pack(Accumulator):
             rows, consumed, hold, carry = self._concat(carry, docs, h, demand, final)
         else:
             rows, consumed, hold, carry = self._fit(carry, docs, h, demand, final)
-        return Step(self._emit(docs, rows, extra), consumed, hold, carry, rows)
+        return AccumulatorStep(self._emit(docs, rows, extra), consumed, hold, carry, rows)
 
     def _per_token(self, held: Columns, new: Columns, docs: list[np.ndarray], h: int
                    ) -> dict[str, list[np.ndarray]]:

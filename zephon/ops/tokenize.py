@@ -19,13 +19,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from zephon.columns import objects
 from zephon.errors import DecodeError, PlanError
 from zephon.ops.base import Transform, fn_name
 from zephon.ops.encoders import HFEncoder, TiktokenEncoder, encoder
 from zephon.ops.pretokens import PretokenCache, ineligible
 from zephon.plan import Refs
 from zephon.sources.base import Columns
+from zephon.sources.columns import objects
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from zephon.closing import DaemonPool
 from zephon.errors import check_positive_int
 from zephon.runners.base import END, R, T, available_cores, set_native_threads
+from zephon.runners.closing import DaemonPool
 
 
 class Threads:
@@ -52,7 +52,7 @@ class Threads:
                 # each thread's share of the cores for native engines, which would otherwise
                 # each start a pool as large as the machine
                 # daemon threads: a worker stuck in a read never holds up close() past its
-                # bound, nor the interpreter's exit (zephon.closing)
+                # bound, nor the interpreter's exit (zephon.runners.closing)
                 self._pool = DaemonPool(self.workers, "zephon", initializer=set_native_threads,
                                         initargs=(max(1, available_cores() // self.workers),))
             return self._pool
@@ -75,7 +75,7 @@ class Threads:
 
     def close(self) -> None:
         """Shuts the pool down: cancels queued items and waits for running ones at most
-        `zephon.closing.STOP_TIMEOUT_S` (a thread still running is abandoned with a warning)."""
+        `zephon.runners.closing.STOP_TIMEOUT_S` (a thread still running is abandoned with a warning)."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:

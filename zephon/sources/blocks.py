@@ -1,4 +1,4 @@
-"""Whole-block reads for a block-shuffled plan (`zephon.blockshuffle`): a bounded cache of blocks.
+"""Whole-block reads for a block-shuffled plan (`zephon.plan.blockshuffle`): a bounded cache of blocks.
 
 Under a block shuffle, the rows of a window come from `window` blocks of `block` consecutive
 records, each used by many reads spread over the window's steps. A source that follows the

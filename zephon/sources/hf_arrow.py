@@ -24,7 +24,7 @@ from ..errors import SourceError
 from ..storage import open_blob
 from ..storage.url import is_remote
 from .base import Columns, as_indices
-from .parquet import _convert_array
+from .parquet import convert_array
 
 __all__ = ["HFArrowSource"]
 
@@ -114,5 +114,5 @@ class HFArrowSource:
             return f"{self.directory}: row {int(idx[i])}"
 
         for name, column in zip(rows.column_names, rows.columns):
-            _convert_array(name, column.combine_chunks(), None, locate, out)
+            convert_array(name, column.combine_chunks(), None, locate, out)
         return out

@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from ..columns import flatten, objects, stack
 from ..errors import DecodeError, SourceError
-from ..jsondoc import loads
+from ..plan.jsondoc import loads
 from ..storage import is_remote, open_blob
 from .array_record_remote import pin
 from .base import Columns, as_indices
+from .columns import flatten, objects, stack
 from .files import FileStamp, changed, check_unchanged, stamp
 from .handles import MAX_OPEN_FILES, FileHandles, OpenFiles, open_error
 from .jsonl_remote import head as remote_head

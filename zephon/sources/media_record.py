@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from ..columns import to_columns
 from ..errors import DecodeError
 from .base import Columns
+from .columns import to_columns
 from .spec import Locate
 
 MAGIC = b"ZMR1"

@@ -333,7 +333,7 @@ class ParquetSource(FileHandles):
         for name, column in zip(table.column_names, table.columns):
             arr = column.combine_chunks()
             try:
-                _convert_array(name, arr, self.list_lengths.get(name), locate, out)
+                convert_array(name, arr, self.list_lengths.get(name), locate, out)
             except pa.ArrowException as e:  # e.g. text that is not UTF-8 in a file without checksums
                 raise DecodeError(f"{_bad_row(name, arr, locate)}: column {name!r} cannot be decoded "
                                   f"({str(e).strip()}); the file holds damaged or mistyped data. "
@@ -369,8 +369,11 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _convert_array(name: str, arr: Any, list_length: int | None, locate: Callable[[int], str],
-                   out: Columns) -> None:
+def convert_array(name: str, arr: Any, list_length: int | None, locate: Callable[[int], str],
+                  out: Columns) -> None:
+    """Adds Arrow array `arr` (column `name`) to `out` as numpy columns: structs as `name/field`
+    columns, strings and bytes as objects, lists as ragged or `list_length`-wide arrays (the
+    Parquet and Hugging Face Arrow sources share it)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -380,7 +383,7 @@ def _convert_array(name: str, arr: Any, list_length: int | None, locate: Callabl
     if pa.types.is_struct(t):
         _require_no_nulls(name, arr, locate)
         for field, child in zip(t, arr.flatten()):
-            _convert_array(f"{name}/{field.name}", child, None, locate, out)
+            convert_array(f"{name}/{field.name}", child, None, locate, out)
         return
     if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) \
             or pa.types.is_large_binary(t):
@@ -413,7 +416,7 @@ def _bad_row(name: str, arr: Any, locate: Callable[[int], str]) -> str:
 
     for i in range(len(arr)):
         try:
-            _convert_array(name, arr.slice(i, 1), None, locate, {})
+            convert_array(name, arr.slice(i, 1), None, locate, {})
         except pa.ArrowException:
             return locate(i)
         except DecodeError:
@@ -424,7 +427,7 @@ def _bad_row(name: str, arr: Any, locate: Callable[[int], str]) -> str:
 def _values(name: str, arr: Any, locate: Callable[[int], str]) -> np.ndarray:
     """A list array's items (respecting slicing), converted with the same rules."""
     inner: Columns = {}
-    _convert_array(name, arr.flatten(), None, locate, inner)
+    convert_array(name, arr.flatten(), None, locate, inner)
     return inner[name]
 
 

@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..columns import to_columns
 from ..errors import DecodeError
 from .base import Columns
+from .columns import to_columns
 
 Locate = Callable[[int], str]
 FieldSpec = tuple[Any, tuple[int, ...]]
@@ -121,7 +121,7 @@ class Decoder:
     This is the per-record escape hatch (protos, msgpack, images); prefer FixedFields when the
     layout is fixed, because it decodes a whole read without Python work per record. Name
     variable-length fields in `ragged` so they are object arrays in every read (the rule is
-    `zephon.columns`).
+    `zephon.sources.columns`).
     """
 
     def __init__(self, fn: Callable[[bytes], Mapping[str, Any]],

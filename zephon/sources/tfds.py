@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ..columns import flatten, to_columns
 from ..errors import DecodeError, SourceError
 from ..storage.url import is_remote, local_path
 from .base import Columns, as_indices
+from .columns import flatten, to_columns
 from .tfds_remote import RemoteTFDS
 
 

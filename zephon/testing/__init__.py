@@ -44,79 +44,34 @@ configurations that use them. One concept a module:
 
 from __future__ import annotations
 
-# The package re-exports every name `zephon.testing` had as one module (private helpers too: tests
-# and the CLI use some), so nothing that imported from it changes.
-# ruff: noqa: F401
-from zephon.report import Report, RunResult  # what verify() returns, as before
+from zephon.fingerprints import Divergence
 from zephon.testing.asserts import (
-                                    DeterminismError,
-                                    _degrees,
-                                    _raise,
-                                    assert_deterministic,
-                                    assert_elastic,
-                                    assert_emitters_agree,
-                                    assert_micro_batches,
-                                    assert_resumes,
-                                    assert_runners_agree,
+    DeterminismError,
+    assert_deterministic,
+    assert_elastic,
+    assert_emitters_agree,
+    assert_micro_batches,
+    assert_resumes,
+    assert_runners_agree,
 )
-from zephon.testing.configs import BACKENDS, REFERENCE, Config, Segment, _int, default_resume, matrix
+from zephon.testing.configs import BACKENDS, REFERENCE, Config, Segment, default_resume, matrix
 from zephon.testing.pipeline import (
-                                    Builder,
-                                    Factory,
-                                    FactoryError,
-                                    IndexSource,
-                                    Pipeline,
-                                    _accepts,
-                                    _import_file,
-                                    factory_spec,
-                                    load_factory,
-                                    load_plan,
+    Builder,
+    Factory,
+    FactoryError,
+    IndexSource,
+    Pipeline,
+    factory_spec,
+    load_factory,
+    load_plan,
 )
-from zephon.testing.processes import _free_port, _run_processes, _subprocess_env, _worker, main
-from zephon.testing.runs import Run, _explain_row, _reference, divergence, run_config, verify
-from zephon.testing.sessions import (
-                                    _FAKE_DEVICES,
-                                    StepOut,
-                                    _check_degree,
-                                    _doc,
-                                    _GrainSession,
-                                    _jax_canonical,
-                                    _jax_local_rows,
-                                    _JaxSession,
-                                    _json_round_trip,
-                                    _make_session,
-                                    _NotApplicable,
-                                    _np_micro,
-                                    _NumpySession,
-                                    _runner,
-                                    _Session,
-                                    _session,
-                                    _torch_columns,
-                                    _torch_round_trip,
-                                    _torch_to_numpy,
-                                    _TorchSession,
-)
-from zephon.verify import Divergence
+from zephon.testing.report import Report, RunResult
+from zephon.testing.runs import Run, divergence, run_config, verify
+from zephon.testing.sessions import StepOut
 
 __all__ = [
-                                    "BACKENDS",
-                                    "REFERENCE",
-                                    "Builder",
-                                    "Config",
-                                    "DeterminismError",
-                                    "FactoryError",
-                                    "IndexSource",
-                                    "Pipeline",
-                                    "Segment",
-                                    "assert_deterministic",
-                                    "assert_elastic",
-                                    "assert_emitters_agree",
-                                    "assert_micro_batches",
-                                    "assert_resumes",
-                                    "assert_runners_agree",
-                                    "default_resume",
-                                    "load_factory",
-                                    "matrix",
-                                    "run_config",
-                                    "verify",
+    "BACKENDS", "REFERENCE", "Builder", "Config", "DeterminismError", "Divergence", "Factory", "FactoryError",
+    "IndexSource", "Pipeline", "Report", "Run", "RunResult", "Segment", "StepOut", "assert_deterministic",
+    "assert_elastic", "assert_emitters_agree", "assert_micro_batches", "assert_resumes", "assert_runners_agree",
+    "default_resume", "divergence", "factory_spec", "load_factory", "load_plan", "matrix", "run_config", "verify",
 ]

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from zephon.report import Report
 from zephon.testing.configs import REFERENCE, Config, Segment, matrix
 from zephon.testing.pipeline import Builder, Factory
+from zephon.testing.report import Report
 from zephon.testing.runs import verify
 
 
@@ -18,7 +18,9 @@ class DeterminismError(AssertionError):
     """A configuration of the pipeline produced other batches than the reference."""
 
 
-def _raise(report: Report, what: str) -> Report:
+def raise_if_failed(report: Report, what: str) -> Report:
+    """`report` if every configuration agreed; else a `DeterminismError` naming `what` and the
+    first configurations that diverged (the one-call assertions and the pytest plugin end here)."""
     if report.ok:
         return report
     bad = [r for r in report.results if not r.ok]
@@ -44,14 +46,14 @@ def assert_elastic(factory: Factory, degrees: Sequence[int] = (1, 2, 4, 8), step
     """The same global batches at every data-parallel degree in `degrees` that divides the lane
     count (degrees that do not are skipped)."""
     b = Builder(factory)
-    return _raise(verify(b, [Config((Segment(world=d),)) for d in _degrees(b, degrees) if d > 1] or
+    return raise_if_failed(verify(b, [Config((Segment(world=d),)) for d in _degrees(b, degrees) if d > 1] or
                          [replace(REFERENCE, note="second run")], steps), "not elastic")
 
 
 def assert_runners_agree(factory: Factory, runners: Sequence[str] = ("threads:2", "processes:2"),
                          world: int = 2, steps: int = 20) -> Report:
     """Runners and worker counts change nothing (processes need picklable, module-level operators)."""
-    return _raise(verify(factory, [Config((Segment(world=world, runner=r),)) for r in runners], steps),
+    return raise_if_failed(verify(factory, [Config((Segment(world=world, runner=r),)) for r in runners], steps),
                   "runners disagree")
 
 
@@ -70,7 +72,7 @@ def assert_emitters_agree(factory: Factory, backends: Sequence[str] = ("jax", "t
             configs.append(Config((Segment(b, world=world),)))
     if torch_workers and "torch" in backends:
         configs.append(Config((Segment("torch", workers=torch_workers),)))
-    return _raise(verify(factory, configs, steps), "emitters disagree")
+    return raise_if_failed(verify(factory, configs, steps), "emitters disagree")
 
 
 def assert_resumes(factory: Factory, stops: Sequence[int] | None = None,
@@ -92,7 +94,7 @@ def assert_resumes(factory: Factory, stops: Sequence[int] | None = None,
                 s2 = Segment(b2, world=1 if b2 == "jax" else d2)
                 configs.append(Config((s1, s2)))
                 i += 1
-    return _raise(verify(b, configs, steps), "resume changes the batches")
+    return raise_if_failed(verify(b, configs, steps), "resume changes the batches")
 
 
 def assert_micro_batches(factory: Factory, counts: Sequence[int] = (2, 4),
@@ -108,10 +110,10 @@ def assert_micro_batches(factory: Factory, counts: Sequence[int] = (2, 4),
         a, b = counts[0], counts[-1]
         configs.append(Config((Segment("numpy", world=world, micro=a, until=steps // 2),
                                Segment(backends[-1], world=1 if backends[-1] == "jax" else world, micro=b))))
-    return _raise(verify(factory, configs, steps), "micro-batches change the data")
+    return raise_if_failed(verify(factory, configs, steps), "micro-batches change the data")
 
 
 def assert_deterministic(factory: Factory, steps: int = 20, **options: Any) -> Report:
     """The whole default matrix (`matrix(...)` options): degrees, runners, emitters, micro-batches,
     two local processes, stop/resume across degrees and emitters, and a repeated reference run."""
-    return _raise(verify(factory, matrix(steps=steps, **options), steps), "not deterministic")
+    return raise_if_failed(verify(factory, matrix(steps=steps, **options), steps), "not deterministic")

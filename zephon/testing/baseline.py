@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from zephon.errors import ZephonError
-from zephon.report import Report
+from zephon.testing.report import Report
 
 
 class BaselineError(ZephonError, ValueError):

@@ -18,7 +18,7 @@ import numpy as np
 
 from zephon.errors import PlanError, ZephonError
 from zephon.exec.loader import Loader
-from zephon.plan import Batch, Node
+from zephon.plan import Batching, Node
 from zephon.runners.base import Runner
 from zephon.storage.url import is_remote
 
@@ -37,7 +37,7 @@ class Pipeline:
     keeps the Grain-shaped `Dataset` a pipeline came from.
     """
 
-    plan: Batch
+    plan: Batching
     sources: Any
     transforms: Sequence[Any] = ()
     per_source: Mapping[int, Sequence[Any]] | None = None
@@ -72,7 +72,7 @@ class Pipeline:
         """A `Pipeline` from what a factory returned (see the module doc)."""
         if isinstance(obj, Pipeline):
             return obj
-        if isinstance(obj, Batch):
+        if isinstance(obj, Batching):
             return Pipeline.from_plan(obj)
         zg = sys.modules.get("zephon.compat.grain")  # loaded if obj can be one of its Datasets
         if zg is not None and isinstance(obj, zg.Dataset):
@@ -88,17 +88,17 @@ class Pipeline:
                 raise FactoryError(f"{what} returned a dict with unknown keys {sorted(extra)}; use "
                                    "plan, sources, transforms, per_source, seed.")
             return Pipeline.of(Pipeline(**obj), what)
-        if isinstance(obj, tuple) and 2 <= len(obj) <= 3 and isinstance(obj[0], Batch):
+        if isinstance(obj, tuple) and 2 <= len(obj) <= 3 and isinstance(obj[0], Batching):
             return Pipeline(obj[0], obj[1], tuple(obj[2]) if len(obj) == 3 else ())
         raise FactoryError(f"{what} returned {type(obj).__name__}; return a zephon.testing.Pipeline"
                            "(plan, sources, transforms), a tuple (plan, sources[, transforms]) or a "
                            "zephon.compat.grain.Dataset ending in .batch(B).")
 
     @staticmethod
-    def from_plan(plan: Batch) -> Pipeline:
+    def from_plan(plan: Batching) -> Pipeline:
         """A pipeline that loads, for every row, its (source, record) — to verify a plan alone
         (e.g. one saved as JSON), without its data."""
-        from zephon.exec.steps import leaf_sources
+        from zephon.plan.walk import leaf_sources
 
         sources: dict[int, IndexSource] = {0: IndexSource(2 ** 62, 0)}
         for s in leaf_sources(plan):
@@ -123,7 +123,7 @@ class IndexSource:
 Factory = Callable[..., Any] | str | Pipeline
 
 
-def load_plan(text_or_path: str) -> Batch:
+def load_plan(text_or_path: str) -> Batching:
     """A plan from its JSON (a file or the text), Grain-compatible plans included."""
     path = Path(text_or_path)
     if text_or_path.lstrip().startswith("{"):
@@ -162,9 +162,9 @@ def load_plan(text_or_path: str) -> Batch:
             plan = Node.from_json(obj)
     except (TypeError, KeyError, ValueError) as e:
         raise FactoryError(f"{text_or_path} is not a valid plan: {e}") from None
-    if not isinstance(plan, Batch):
+    if not isinstance(plan, Batching):
         raise FactoryError(f"the plan in {text_or_path} is a {type(plan).__name__}, not a complete plan; "
-                           "its root must be a Batch (stream.lanes(L).batch(B)).")
+                           "its root must be a Batching (stream.lanes(L).batch(B)).")
     return plan
 
 

@@ -1,5 +1,5 @@
 """Multi-process runs: a segment with `procs=N` runs in N local processes (jax.distributed or
-torch gloo), each `python -m zephon.testing worker ARGS`; this module starts them (`_run_processes`)
+torch gloo), each `python -m zephon.testing worker ARGS`; this module starts them (`run_processes`)
 and is their side too (`_worker`, `main`)."""
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ import numpy as np
 
 from zephon.errors import PlanError
 from zephon.exec.loader import merge_states
+from zephon.fingerprints import LaneRecord, StepRecord, lane_records
 from zephon.testing.configs import Config, Segment
 from zephon.testing.pipeline import Builder
 from zephon.testing.sessions import (
-    _FAKE_DEVICES,
-    _check_degree,
-    _JaxSession,
-    _NotApplicable,
-    _runner,
-    _torch_columns,
-    _torch_round_trip,
+    FAKE_DEVICES_FLAG,
+    JaxSession,
+    NotApplicable,
+    degree_problem,
+    runner_from_spec,
+    torch_columns,
+    torch_round_trip,
 )
-from zephon.verify import LaneRecord, StepRecord, lane_records
 
 
 def _free_port() -> int:
@@ -44,21 +44,21 @@ def _subprocess_env(devices: int | None) -> dict[str, str]:
     env = dict(os.environ)
     paths = [os.getcwd()] + [p for p in sys.path if p and os.path.isdir(p)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + env.get("PYTHONPATH", "").split(os.pathsep)))
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_FAKE_DEVICES)]
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(FAKE_DEVICES_FLAG)]
     if devices:
-        flags.append(f"{_FAKE_DEVICES}={devices}")
+        flags.append(f"{FAKE_DEVICES_FLAG}={devices}")
     env["XLA_FLAGS"] = " ".join(flags)
     env.setdefault("JAX_PLATFORMS", "cpu")
     return env
 
 
-def _run_processes(builder: Builder, seg: Segment, start: int, stop: int, state: dict[str, Any] | None,
-                   ref_dtypes: Mapping[str, np.dtype], timeout: float
-                   ) -> tuple[list[StepRecord], dict[str, Any], list[str]]:
+def run_processes(builder: Builder, seg: Segment, start: int, stop: int, state: dict[str, Any] | None,
+                  ref_dtypes: Mapping[str, np.dtype], timeout: float
+                  ) -> tuple[list[StepRecord], dict[str, Any], list[str]]:
     """Runs steps [start, stop) of a segment in `seg.procs` local processes; returns the merged
     lane records, the merged state after `stop` and the fields left out."""
     if builder.spec is None:
-        raise _NotApplicable("runs in several processes need a factory importable by name "
+        raise NotApplicable("runs in several processes need a factory importable by name "
                              "(module:function or path/file.py:function), not a local function")
     with tempfile.TemporaryDirectory(prefix="zephon-procs-") as tmp:
         restore = None
@@ -98,7 +98,7 @@ def _run_processes(builder: Builder, seg: Segment, start: int, stop: int, state:
         results = [json.loads(Path(o).read_text()) for o in outs]
     for r in results:
         if "not_applicable" in r:
-            raise _NotApplicable(r["not_applicable"])
+            raise NotApplicable(r["not_applicable"])
     ends = {len(r["records"]) for r in results}
     if len(ends) > 1:  # one rank would wait for the others at the end: a DDP hang in training
         raise RuntimeError(f"the processes' data ended at different steps: {[len(r['records']) for r in results]} "
@@ -129,8 +129,8 @@ def _worker(args: dict[str, Any]) -> None:
         try:
             pipe = builder(procs, i)
             try:
-                sess = _JaxSession(pipe, replace(seg, procs=1), ref_dtypes)
-            except (PlanError, _NotApplicable) as e:
+                sess = JaxSession(pipe, replace(seg, procs=1), ref_dtypes)
+            except (PlanError, NotApplicable) as e:
                 Path(args["out"]).write_text(json.dumps({"not_applicable": str(e)}))
                 return
             excluded = sess.excluded
@@ -159,25 +159,25 @@ def _worker(args: dict[str, Any]) -> None:
         try:
             pipe = builder(procs, i)
             try:
-                why = _check_degree(pipe, procs) or pipe.backend_refusal()
+                why = degree_problem(pipe, procs) or pipe.backend_refusal()
                 if why:
-                    raise _NotApplicable(why)
+                    raise NotApplicable(why)
                 loader = TorchLoader(pipe.plan, pipe.sources, tuple(pipe.transforms),
-                                     runner=_runner(seg.runner), **pipe.backend_kwargs())  # rank/world: gloo's
-            except (PlanError, _NotApplicable) as e:
+                                     runner=runner_from_spec(seg.runner), **pipe.backend_kwargs())  # rank/world: gloo's
+            except (PlanError, NotApplicable) as e:
                 Path(args["out"]).write_text(json.dumps({"not_applicable": str(e)}))
                 return
             if restore is not None:
-                loader.load_state_dict(_torch_round_trip(restore))
+                loader.load_state_dict(torch_round_trip(restore))
             owned = pipe.plan.lanes.owned(loader.rank, loader.world)
             for _ in range(args["stop"] - args["start"]):
                 try:
                     batch = next(loader)
                 except StopIteration:
                     break
-                cols = _torch_columns(batch, seg.micro)
+                cols = torch_columns(batch, seg.micro)
                 records.append({str(l): r.to_json() for l, r in lane_records(owned, cols).items()})
-            state = _torch_round_trip(loader.state_dict())
+            state = torch_round_trip(loader.state_dict())
             loader.close()
         finally:
             dist.destroy_process_group()

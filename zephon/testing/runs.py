@@ -1,6 +1,6 @@
 """Running configurations and comparing them with the reference (numpy, D=1): `run_config`,
 `divergence` (the first differing step, lane, row and field, with `explain` of that row) and
-`verify`, which runs a list of configurations into a `zephon.report.Report`."""
+`verify`, which runs a list of configurations into a `zephon.testing.report.Report`."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import numpy as np
 
 from zephon.errors import PlanError
 from zephon.exec.loader import LocalBatch
-from zephon.report import Report, RunResult
+from zephon.fingerprints import Divergence, StepRecord, compare_steps, describe_row, lane_records, record_fingerprint
 from zephon.testing.configs import BACKENDS, REFERENCE, Config, end_resume
 from zephon.testing.pipeline import Builder, Factory
-from zephon.testing.processes import _run_processes
-from zephon.testing.sessions import _NotApplicable, _session, shared_runners
-from zephon.verify import Divergence, StepRecord, compare_steps, describe_row, lane_records, record_fingerprint
+from zephon.testing.processes import run_processes
+from zephon.testing.report import Report, RunResult
+from zephon.testing.sessions import NotApplicable, emitter_session, shared_runners
 
 
 @dataclass
@@ -64,7 +64,7 @@ class _Stopped:
 def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapping[str, np.dtype] = {},
                keep_batches: bool = False, timeout: float = 600.0, on_step: Callable[[], None] | None = None,
                stops: dict[tuple[str, int], _Stopped] | None = None) -> Run:
-    """Runs `config` for `steps` global steps. Raises `_NotApplicable` when it cannot run.
+    """Runs `config` for `steps` global steps. Raises `NotApplicable` when it cannot run.
 
     `stops` (a dict this function fills) shares the segments before a stop between
     configurations that run them alike: the first to stop after, say, `numpy D=8 @5` runs those
@@ -92,14 +92,14 @@ def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapp
                     on_step()
             continue
         if seg.procs > 1:
-            recs, state, excluded = _run_processes(builder, seg, len(run.records), stop, state,
+            recs, state, excluded = run_processes(builder, seg, len(run.records), stop, state,
                                                    ref_dtypes, timeout)
             run.records += recs
             run.batches += [None] * len(recs)
             run.excluded |= frozenset(excluded)
             continue
         options = {} if config.read_ahead is None else {"read_ahead": config.read_ahead}
-        sess = _session(builder, seg, ref_dtypes, batch, options)
+        sess = emitter_session(builder, seg, ref_dtypes, batch, options)
         try:
             run.excluded |= frozenset(getattr(sess, "excluded", ()))
             if state is not None:
@@ -294,7 +294,7 @@ def _verify(builder: Builder, parsed: list[Config], steps: int, bar: Any, tick: 
                 note = f"compared with {key.name}"
             run = run_config(builder, cfg, n, ref_dtypes=dtypes, keep_batches=True, timeout=timeout,
                              on_step=count, stops=stops)
-        except _NotApplicable as e:
+        except NotApplicable as e:
             results.append(RunResult(cfg.name, "n/a", note=str(e), seconds=time.perf_counter() - t))
         except (KeyboardInterrupt, SystemExit):
             raise

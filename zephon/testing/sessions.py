@@ -18,14 +18,15 @@ import numpy as np
 
 from zephon.errors import PlanError
 from zephon.exec.loader import LocalBatch, merge_states
-from zephon.plan import Batch
+from zephon.plan import Batching
 from zephon.testing.configs import Segment
 from zephon.testing.pipeline import Builder, Pipeline
 
-_FAKE_DEVICES = "--xla_force_host_platform_device_count"
+#: The XLA flag that gives a CPU process N fake devices (JAX meshes on one host).
+FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
-class _NotApplicable(Exception):
+class NotApplicable(Exception):
     """This configuration cannot run this pipeline (reported as n/a, with the reason)."""
 
 
@@ -56,7 +57,7 @@ def _np_micro(batch: LocalBatch, n: int) -> dict[str, np.ndarray]:
     return {k: np.concatenate([p.data[k] for p in parts]) for k in batch.data}
 
 
-def _runner(spec: str, rank: int = 0) -> Any:
+def runner_from_spec(spec: str, rank: int = 0) -> Any:
     """The runner `spec` names for rank `rank`'s loader: a new one, or — inside `shared_runners()`,
     for process runners — the pool's `processes` runner of that spec and rank, lent to one loader
     at a time (see `SharedRunners`)."""
@@ -137,7 +138,8 @@ def shared_runners() -> Any:
     return contextlib.nullcontext(_POOLS[-1]) if _POOLS else SharedRunners()
 
 
-def _check_degree(pipe: Pipeline, world: int) -> str | None:
+def degree_problem(pipe: Pipeline, world: int) -> str | None:
+    """Why `pipe` cannot run at data-parallel degree `world` (reported as n/a), or None."""
     lanes = pipe.plan.lanes.count
     if lanes % world:
         return f"lanes={lanes} is not divisible by D={world}"
@@ -167,7 +169,7 @@ class _NumpySession(_Session):
 
     def __init__(self, pipes: list[Pipeline], seg: Segment, options: Mapping[str, Any] = {}) -> None:
         self.seg = seg
-        self.loaders = [p.loader(rank=r, world=seg.world, runner=_runner(seg.runner, r), **options)
+        self.loaders = [p.loader(rank=r, world=seg.world, runner=runner_from_spec(seg.runner, r), **options)
                         for r, p in enumerate(pipes)]
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
@@ -194,7 +196,7 @@ class _GrainSession(_Session):
         import zephon.compat.grain as zg
 
         self.zg, self.seg = zg, seg
-        self.iters = [zg.Iterator(p.loader(rank=r, world=seg.world, runner=_runner(seg.runner, r), **options),
+        self.iters = [zg.Iterator(p.loader(rank=r, world=seg.world, runner=runner_from_spec(seg.runner, r), **options),
                                   batched=True)
                       for r, p in enumerate(pipes)]
 
@@ -233,7 +235,7 @@ def _torch_to_numpy(v: Any) -> np.ndarray:
     return np.asarray(v)
 
 
-def _torch_columns(batch: Any, micro: int) -> dict[str, np.ndarray]:
+def torch_columns(batch: Any, micro: int) -> dict[str, np.ndarray]:
     """A torch batch as numpy columns; with `micro` > 1, through its `micro_batches(micro)`
     concatenated back."""
     if micro > 1:
@@ -245,7 +247,7 @@ def _torch_columns(batch: Any, micro: int) -> dict[str, np.ndarray]:
     return {k: _torch_to_numpy(v) for k, v in batch.items()}
 
 
-def _torch_round_trip(state: dict[str, Any]) -> dict[str, Any]:
+def torch_round_trip(state: dict[str, Any]) -> dict[str, Any]:
     """What `torch.save` + `torch.load(weights_only=True)` give back."""
     import torch
 
@@ -267,14 +269,14 @@ class _TorchSession(_Session):
         for r, p in enumerate(pipes):
             if seg.workers:
                 ds = ZephonIterableDataset(p.plan, p.sources, tuple(p.transforms), rank=r, world=seg.world,
-                                           runner=_runner(seg.runner, r), **p.backend_kwargs(), **options)
+                                           runner=runner_from_spec(seg.runner, r), **p.backend_kwargs(), **options)
                 # fork after JAX started its threads can deadlock: then start workers clean
                 ctx = "forkserver" if "jax" in sys.modules else None
                 self.loaders.append(ZephonDataLoader(ds, num_workers=seg.workers,
                                                      multiprocessing_context=ctx))
             else:
                 self.loaders.append(TorchLoader(p.plan, p.sources, tuple(p.transforms), rank=r,
-                                                world=seg.world, runner=_runner(seg.runner, r),
+                                                world=seg.world, runner=runner_from_spec(seg.runner, r),
                                                 **p.backend_kwargs(), **options))
         self.owned = [p.plan.lanes.owned(r, seg.world) for r, p in enumerate(pipes)]
 
@@ -287,17 +289,17 @@ class _TorchSession(_Session):
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
         for l in self.loaders:
-            l.load_state_dict(_torch_round_trip(state), allow_batch_change=allow_batch_change)
+            l.load_state_dict(torch_round_trip(state), allow_batch_change=allow_batch_change)
         self._drop_iters()
 
     def step(self) -> StepOut:
         parts = []
         for r in range(len(self.loaders)):
-            parts.append((self.owned[r], _torch_columns(next(self._iter(r)), self.seg.micro)))
+            parts.append((self.owned[r], torch_columns(next(self._iter(r)), self.seg.micro)))
         return StepOut(parts)
 
     def state(self) -> dict[str, Any]:
-        return merge_states([_torch_round_trip(l.state_dict()) for l in self.loaders])
+        return merge_states([torch_round_trip(l.state_dict()) for l in self.loaders])
 
     def _drop_iters(self) -> None:
         for it in self.iters:
@@ -332,7 +334,7 @@ def _jax_canonical(ref: np.dtype) -> np.dtype:
         return ref
 
 
-class _JaxSession(_Session):
+class JaxSession(_Session):
     """`JaxLoader` over a mesh of this process's devices (or of every process's, under
     jax.distributed); fields JAX cannot hold (bytes, text) are left out and not compared."""
 
@@ -346,8 +348,8 @@ class _JaxSession(_Session):
         shape = tuple(seg.mesh or (8,))
         need = math.prod(shape)
         if jax.device_count() < need:
-            raise _NotApplicable(f"mesh {'x'.join(map(str, shape))} needs {need} devices, JAX has "
-                                 f"{jax.device_count()} (set XLA_FLAGS={_FAKE_DEVICES}=8 before jax "
+            raise NotApplicable(f"mesh {'x'.join(map(str, shape))} needs {need} devices, JAX has "
+                                 f"{jax.device_count()} (set XLA_FLAGS={FAKE_DEVICES_FLAG}=8 before jax "
                                  "is imported, e.g. in conftest.py)")
         names = ("data", "fsdp", "model", "x4")[:len(shape)]
         mesh = Mesh(np.array(jax.devices()[:need]).reshape(shape), names)
@@ -356,7 +358,7 @@ class _JaxSession(_Session):
                                if d.kind in "OUS" or (d.kind == "V" and not _jax_dtype(d)))
         self.plan = pipe.plan
         self.loader = JaxLoader(pipe.plan, pipe.sources, tuple(pipe.transforms), mesh=mesh,
-                                batch_axes=names, exclude=self.excluded, runner=_runner(seg.runner),
+                                batch_axes=names, exclude=self.excluded, runner=runner_from_spec(seg.runner),
                                 **pipe.backend_kwargs(), **options)
         self.owned = pipe.plan.lanes.owned(self.loader.layout.rank, self.loader.layout.world)
 
@@ -385,8 +387,8 @@ class _JaxSession(_Session):
         self.loader.close()
 
 
-def _session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.dtype], batch: int | None = None,
-             options: Mapping[str, Any] = {}) -> _Session:
+def emitter_session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.dtype], batch: int | None = None,
+                    options: Mapping[str, Any] = {}) -> _Session:
     """The emitter of `seg` over all its ranks (at global batch size `batch`, if given; loader
     `options` such as `read_ahead`, which change speed, never data). A PlanError while building
     it (the pipeline built fine for the reference) means this emitter cannot take the pipeline:
@@ -394,20 +396,20 @@ def _session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.dtype],
     pipes = [builder(seg.degree, r) for r in range(seg.degree if builder.takes_rank else 1)]
     if batch is not None:
         try:
-            pipes = [replace(p, plan=Batch(p.plan.lanes, batch, remainder=p.plan.remainder)) for p in pipes]
+            pipes = [replace(p, plan=Batching(p.plan.lanes, batch, remainder=p.plan.remainder)) for p in pipes]
         except PlanError as e:
-            raise _NotApplicable(str(e)) from e
+            raise NotApplicable(str(e)) from e
     try:
         return _make_session(builder, pipes, seg, ref_dtypes, options)
     except PlanError as e:
-        raise _NotApplicable(str(e)) from e
+        raise NotApplicable(str(e)) from e
 
 
 def _make_session(builder: Builder, pipes: list[Pipeline], seg: Segment,
                   ref_dtypes: Mapping[str, np.dtype], options: Mapping[str, Any] = {}) -> _Session:
-    why = _check_degree(pipes[0], seg.degree)
+    why = degree_problem(pipes[0], seg.degree)
     if why:
-        raise _NotApplicable(why)
+        raise NotApplicable(why)
     if not builder.takes_rank:
         pipes = pipes * seg.degree
     if seg.micro > 1:
@@ -416,17 +418,17 @@ def _make_session(builder: Builder, pipes: list[Pipeline], seg: Segment,
         for step, size in plan.sizes.stretches():
             held = size // shards
             if size % shards == 0 and held % seg.micro:
-                raise _NotApplicable(f"micro={seg.micro} does not divide the {held} row(s) each "
+                raise NotApplicable(f"micro={seg.micro} does not divide the {held} row(s) each "
                                      f"{'device' if seg.backend == 'jax' else 'rank'} holds"
                                      f"{f' from step {step}' if step else ''}")
     if seg.backend in ("jax", "torch"):
         why = pipes[0].backend_refusal()
         if why:
-            raise _NotApplicable(why)
+            raise NotApplicable(why)
     if seg.backend == "numpy":
         return _NumpySession(pipes, seg, options)
     if seg.backend == "grain":
         return _GrainSession(pipes, seg, options)
     if seg.backend == "torch":
         return _TorchSession(pipes, seg, options)
-    return _JaxSession(pipes[0], seg, ref_dtypes, options)
+    return JaxSession(pipes[0], seg, ref_dtypes, options)

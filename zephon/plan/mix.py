@@ -3,7 +3,7 @@
 A position of a mix goes to one child by walking a balanced binary tree of the children's weight
 fractions, a few float operations a level; counts of any prefix are exact. Its own module because
 the routing (tree, `route`, `counts`, `length_for`) is the one piece of the algebra that is not a
-line or two of integer math; `zephon.plan` re-exports `Mix`. (Per-source *pipelines* of a mix are
+line or two of integer math; `zephon.plan` exports `Mix`. (Per-source *pipelines* of a mix are
 a lane operator: `zephon.ops.mix.PerSource`.)
 """
 
@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from zephon.errors import PlanError
-from zephon.plan import Node, Refs
+from zephon.plan.node import Node
+from zephon.plan.refs import Refs
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ class Mix(Node, kind="Mix"):
             raise PlanError("a Mix by tokens has no order by position (its schedule depends on "
                             "token counts); put it directly under .lanes(L) and read it with a Loader.")
         which, inner = self.route(pos)
-        return _gather_children(self.children, which, inner, epoch)
+        return gather_children(self.children, which, inner, epoch)
 
 
 def _checked_weights(weights: Any, n: int, what: str) -> tuple[float, ...]:
@@ -250,8 +251,8 @@ def _normalized(weights: Sequence[float]) -> np.ndarray:
     return w / w.max() / (w / w.max()).sum()  # scaled first: huge weights cannot overflow
 
 
-def _gather_children(children: Sequence[Node], which: np.ndarray, inner: np.ndarray,
-                     epoch: np.ndarray) -> Refs:
+def gather_children(children: Sequence[Node], which: np.ndarray, inner: np.ndarray,
+                    epoch: np.ndarray) -> Refs:
     """Row i is child `which[i]`'s reference at (`inner[i]`, `epoch[i]`); extra columns merge
     (rows of a child without one get `Refs.EXTRA_FILL`)."""
     src = np.empty_like(inner)

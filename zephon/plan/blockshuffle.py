@@ -13,7 +13,7 @@ mixing them (the scheme of Marin/Levanter, and CorgiPile's block + buffer shuffl
 
 So a window's `window × block` rows come from `window` blocks, each read whole once, and two
 rows of one global batch share a block with probability about `1 / window`
-(`zephon.quality` measures it). Everything is a pure function of (seed, epoch, position): O(1)
+(`zephon.plan.quality` measures it). Everything is a pure function of (seed, epoch, position): O(1)
 random access and memory, exactly once per epoch, the same global batches at every D, runner
 and emitter.
 
@@ -37,15 +37,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import numpy as np
 
 from zephon.errors import PlanError
-from zephon.permute import permute, splitmix64
-from zephon.plan import Node, PassThrough, Refs, _check_int
+from zephon.plan.node import Node, PassThrough, check_int
+from zephon.plan.permute import permute, splitmix64
+from zephon.plan.refs import Refs
+from zephon.plan.walk import leaf_sources, plan_nodes, rebuild
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ _WINDOW_SALT = np.uint64(0xB10C5EED0000A11D)
 
 def _check_auto_int(name: str, v: Any, minimum: int) -> None:
     if v != "auto":
-        _check_int(name, v, minimum)
+        check_int(name, v, minimum)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class BlockShuffle(PassThrough, kind="BlockShuffle"):
     stripes: int | Auto = "auto"
 
     def __post_init__(self) -> None:
-        _check_int("BlockShuffle.seed", self.seed, 0)
+        check_int("BlockShuffle.seed", self.seed, 0)
         _check_auto_int("BlockShuffle.block", self.block, 1)
         _check_auto_int("BlockShuffle.window", self.window, 1)
         _check_auto_int("BlockShuffle.stripes", self.stripes, 1)
@@ -97,7 +99,7 @@ class BlockShuffle(PassThrough, kind="BlockShuffle"):
             raise PlanError("this BlockShuffle has block='auto' or window='auto', which are resolved "
                             "when the plan meets its sources: build the root with .lanes(L).batch(B) "
                             "(resolves the window) and read it with a Loader, or call "
-                            "zephon.blockshuffle.resolve_blocks(plan, sources) (resolves the block); "
+                            "zephon.plan.blockshuffle.resolve_blocks(plan, sources) (resolves the block); "
                             "or give block= and window= as numbers.")
         n = self.epoch_length
         outer, q = np.divmod(pos, n)
@@ -160,24 +162,6 @@ def _permute_by_size(k: np.ndarray, n: np.ndarray, seed: int, epoch: np.ndarray)
 
 
 # --- resolving "auto" --------------------------------------------------------------------------
-def rebuild(node: Node, fn: Callable[[Node], Node]) -> Node:
-    """`node` with `fn` applied bottom-up to every node (unchanged subtrees are kept as they are)."""
-    changes: dict[str, Any] = {}
-    if dataclasses.is_dataclass(node):
-        for f in dataclasses.fields(node):
-            v = getattr(node, f.name)
-            if isinstance(v, Node):
-                nv = rebuild(v, fn)
-                if nv is not v:
-                    changes[f.name] = nv
-            elif isinstance(v, tuple) and v and all(isinstance(c, Node) for c in v):
-                kids = tuple(rebuild(c, fn) for c in v)
-                if any(a is not b for a, b in zip(kids, v)):
-                    changes[f.name] = kids
-    new = dataclasses.replace(node, **changes) if changes else node  # type: ignore[type-var]
-    return fn(new)
-
-
 def resolve_window(node: Node, lanes: int, batch_rows: int) -> Node:
     """Resolves window="auto" (2 × `batch_rows` blocks) and stripes="auto" (`lanes`) below `node`."""
     def fix(n: Node) -> Node:
@@ -189,8 +173,6 @@ def resolve_window(node: Node, lanes: int, batch_rows: int) -> Node:
 
 
 def block_shuffles(node: Any) -> list[BlockShuffle]:
-    from zephon.exec.steps import plan_nodes
-
     return [n for n in plan_nodes(node) if isinstance(n, BlockShuffle)]
 
 
@@ -203,8 +185,6 @@ def natural_block(source: Any) -> int | None:
 def resolve_blocks(plan: N, sources: Mapping[int, Any]) -> N:
     """`plan` with every block="auto" replaced by the natural block of the sources below it (the
     largest when they differ). A source without one is an error naming the fix."""
-    from zephon.exec.steps import leaf_sources
-
     def fix(n: Node) -> Node:
         if not isinstance(n, BlockShuffle) or n.block != "auto":
             return n
@@ -228,8 +208,6 @@ def follow_blocks(plan: Any, sources: Mapping[int, Any], lanes_owned: int) -> No
     """Tells the record sources under each block shuffle of `plan` to read whole blocks and keep
     the blocks of about two windows that `lanes_owned` of the plan's lanes need (a source
     without `follow_blocks` reads as before)."""
-    from zephon.exec.steps import leaf_sources
-
     total = plan.lanes.count
     for node in block_shuffles(plan):
         if not node.resolved:

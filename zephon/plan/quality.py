@@ -30,6 +30,10 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import PlanError
+from zephon.plan.batching import Batching
+from zephon.plan.blockshuffle import block_shuffles
+from zephon.plan.shuffle import Shuffle
+from zephon.plan.source import Source
 
 _MAX_EPOCH_SAMPLE = 1 << 20
 
@@ -88,23 +92,19 @@ def p_same_block(keys: np.ndarray) -> float:
 
 def shuffle_quality(plan: Any, block: int | None = None, rho: float = 0.1, steps: int = 16,
                     seed: int = 0) -> ShuffleQuality:
-    """The quality report of a one-to-one plan (a `Batch` root): see the module doc.
+    """The quality report of a one-to-one plan (a `Batching` root): see the module doc.
 
     `block` is the block size in records that `p_same` is about (default: the plan's block
     shuffle's). `steps` global batches spread over the plan's first epoch are measured.
     """
-    from zephon.batching import Batch
-    from zephon.blockshuffle import block_shuffles
-    from zephon.plan import Shuffle, Source
-
-    if not isinstance(plan, Batch):
+    if not isinstance(plan, Batching):
         raise PlanError("shuffle_quality needs a complete plan (stream.lanes(L).batch(B))")
     nodes = block_shuffles(plan)
     window = None
     if nodes:
         if any(not n.resolved for n in nodes):
             raise PlanError("resolve the block shuffle's block='auto' first (a Loader's .plan, or "
-                            "zephon.blockshuffle.resolve_blocks(plan, sources)), or give block=")
+                            "zephon.plan.blockshuffle.resolve_blocks(plan, sources)), or give block=")
         if block is None:
             block = int(nodes[0].block)
         window = int(nodes[0].window)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from zephon.verify import Divergence
+    from zephon.fingerprints import Divergence
 
 
 @dataclass

@@ -7,7 +7,7 @@ construction. Comparing two runs names the first step, lane and field that diffe
 
 Lane records keep, per lane of a step, its digest and every row's; `compare_steps` finds the first
 differing row and `Divergence` names it. The report of a whole configuration matrix (`Report`,
-`RunResult`, `write_heatmap`) is in `zephon.report` (re-exported here).
+`RunResult`, `write_heatmap`) is in `zephon.testing.report`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from zephon.exec.loader import LocalBatch
-from zephon.report import Report, RunResult, write_heatmap  # noqa: F401 - the matrix report, once here
 from zephon.sources.base import Columns
 
 
