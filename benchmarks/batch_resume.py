@@ -36,13 +36,14 @@ def one_to_one() -> tuple[z.Lanes, dict]:
 
 
 def packed_lm() -> tuple[z.Lanes, dict]:
+    """The lanes and, as `zephon.Pipeline` keyword arguments, sources, packing and tokenizers."""
     prose, code = generate_corpus(600, seed=1), generate_corpus(400, seed=2, style="code")
     tok = train_bpe(prose + code, vocab_size=1000)
     obj = lambda xs: np.array(xs, dtype=object)
     lanes = z.Mix([z.Source(len(prose), id=0).shuffle(1).repeat(), z.Source(len(code), id=1).shuffle(2).repeat()],
                   [0.7, 0.3], by="tokens").lanes(LANES)
     return lanes, {"sources": [ArraySource({"text": obj(prose)}), ArraySource({"text": obj(code)})],
-                   "transforms": [Pack(256)],
+                   "ops": [Pack(256)],
                    "per_source": {0: [Tokenize(tok, eos=EOS_ID)], 1: [Tokenize(tok, eos=EOS_ID)]}}
 
 
@@ -50,7 +51,7 @@ def resume_seconds(lanes: z.Lanes, kw: dict, state: dict, size: int, allow: bool
     """Best (restore, restore + first batch) seconds of a fresh loader at `size`."""
     best = (float("inf"), float("inf"))
     for _ in range(REPEATS):
-        loader = z.Loader(lanes.batch(size), **kw)
+        loader = z.Loader(z.Pipeline(lanes.batch(size), **kw))
         t = time.perf_counter()
         loader.restore(state, allow_batch_change=allow)
         r = time.perf_counter() - t
@@ -62,7 +63,7 @@ def resume_seconds(lanes: z.Lanes, kw: dict, state: dict, size: int, allow: bool
 
 
 def saved(lanes: z.Lanes, kw: dict, size: int) -> dict:
-    loader = z.Loader(lanes.batch(size), **kw)
+    loader = z.Loader(z.Pipeline(lanes.batch(size), **kw))
     for _ in range(STEPS):
         next(loader)
     state = json.loads(json.dumps(loader.state()))

@@ -130,7 +130,7 @@ def expected_first_batch(plan: Any, batch: int) -> np.ndarray:
 
 
 def case_zephon_filter(ds: DataSet, runner: str, batch: int, max_seconds: float) -> dict[str, Any]:
-    from zephon import Filter, Loader
+    from zephon import Filter, How, Loader, Pipeline
     from zephon.runners import from_spec
 
     src, plan = _zephon(ds, batch)
@@ -152,14 +152,14 @@ def case_zephon_filter(ds: DataSet, runner: str, batch: int, max_seconds: float)
                 "observed_keep": loader.step * batch / inputs if inputs else None}
 
     def make() -> Iterator[Any]:
-        return Loader(plan, src, [op], runner=from_spec(runner))
+        return Loader(Pipeline(plan, src, [op]), how=How(runner=from_spec(runner)))
 
     return _as_input_rate(consume(make, lambda b: len(b.data["tokens"]), int(ds.records * keep),
                                   max_seconds, check, finish), keep)
 
 
 def case_zephon_one_to_one(ds: DataSet, runner: str, batch: int, max_seconds: float) -> dict[str, Any]:
-    from zephon import Loader
+    from zephon import How, Loader, Pipeline
     from zephon.runners import from_spec
 
     src, plan = _zephon(ds, batch)
@@ -172,7 +172,7 @@ def case_zephon_one_to_one(ds: DataSet, runner: str, batch: int, max_seconds: fl
             raise AssertionError(f"step {b.step} does not hold the plan's records")
 
     def make() -> Iterator[Any]:
-        return Loader(plan, src, runner=from_spec(runner))
+        return Loader(Pipeline(plan, src), how=How(runner=from_spec(runner)))
 
     return _as_input_rate(consume(make, lambda b: len(b.data["tokens"]), ds.records, max_seconds,
                                   check), 1.0)

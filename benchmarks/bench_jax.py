@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zephon import Loader, Source
+from zephon import How, Loader, Pipeline, Source, Where
 from zephon.backends.jax import JaxLoader
 from zephon.backends.numpy import emit
 from zephon.sources.array_record import ArrayRecordSource, write_sharded_array_record
@@ -105,12 +105,13 @@ def measure(source: RecordSource, mesh: Mesh, args: argparse.Namespace) -> dict:
         return start
 
     def numpy_run(steps: int) -> float:
-        return timed(map(emit, Loader(plan, source, start_step=fresh_start(steps + 1))), steps)
+        return timed(map(emit, Loader(Pipeline(plan, source), start_step=fresh_start(steps + 1))), steps)
 
     def jax_run(prefetch: int, consume: Callable[[dict], None] | None = None) -> Callable[[int], float]:
         def run(steps: int) -> float:
             start = fresh_start(steps + 1)
-            with JaxLoader(plan, source, mesh=mesh, prefetch=prefetch, start_step=start) as loader:
+            with JaxLoader(Pipeline(plan, source), Where(mesh=mesh), How(prefetch=prefetch),
+                           start_step=start) as loader:
                 return timed(loader, steps, consume)
         return run
 
@@ -125,7 +126,7 @@ def measure(source: RecordSource, mesh: Mesh, args: argparse.Namespace) -> dict:
         return step
 
     # Calibrate the jit step to cost about one batch load.
-    with JaxLoader(plan, source, mesh=mesh, prefetch=0) as warm:
+    with JaxLoader(Pipeline(plan, source), Where(mesh=mesh), How(prefetch=0)) as warm:
         sample = next(warm)
     t_load0 = min(jax_run(0)(20) for _ in range(3))  # min: the least disturbed estimate
     layers = 1

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zephon import Loader, Source
+from zephon import Loader, Pipeline, Source
 from zephon.backends.numpy import emit
 from zephon.backends.torch import TorchLoader, ZephonDataLoader, ZephonIterableDataset
 from zephon.sources.array_record import ArrayRecordSource, write_sharded_array_record
@@ -70,17 +70,17 @@ def measure(source: RecordSource, batch: int, args: argparse.Namespace) -> dict:
         return start
 
     def numpy_run() -> float:
-        return timed(map(emit, Loader(plan, source, start_step=fresh_start())), steps)
+        return timed(map(emit, Loader(Pipeline(plan, source), start_step=fresh_start())), steps)
 
     def torch_run(**options: object) -> Callable[[], float]:
         def run() -> float:
-            with TorchLoader(plan, source, start_step=fresh_start(), **options) as loader:
+            with TorchLoader(Pipeline(plan, source), start_step=fresh_start(), **options) as loader:
                 return timed(loader, steps)
         return run
 
     def dataloader_run(workers: int) -> Callable[[], float]:
         def run() -> float:
-            ds = ZephonIterableDataset(plan, source, start_step=fresh_start())
+            ds = ZephonIterableDataset(Pipeline(plan, source), start_step=fresh_start())
             it = iter(ZephonDataLoader(ds, num_workers=workers))
             try:
                 return timed(it, steps)

@@ -85,7 +85,7 @@ def zephon_source(ds: DataSet, fmt: str) -> Any:
 
 def case_zephon(ds: DataSet, fmt: str, runner: str, batch: int, max_seconds: float,
                 read_ahead: int | None = None) -> dict[str, Any]:
-    from zephon import Loader, Source
+    from zephon import How, Loader, Pipeline, Source
     from zephon.runners import from_spec
 
     src = zephon_source(ds, fmt)
@@ -97,7 +97,7 @@ def case_zephon(ds: DataSet, fmt: str, runner: str, batch: int, max_seconds: flo
             raise AssertionError(f"step {b.step} does not hold the plan's records")
 
     def make() -> Iterator[Any]:
-        return Loader(plan, src, runner=from_spec(runner), read_ahead=read_ahead)
+        return Loader(Pipeline(plan, src), how=How(runner=from_spec(runner), read_ahead=read_ahead))
 
     return consume(make, lambda b: b.data["tokens"], ds.records, max_seconds, check)
 
@@ -200,10 +200,10 @@ class SyntheticSource:
 
 def case_plan_memory(ds: DataSet, size: int, steps: int, batch: int) -> dict[str, Any]:
     """Peak RSS of iterating a shuffled, repeated plan over `size` records (synthetic source)."""
-    from zephon import Loader, Source
+    from zephon import Loader, Pipeline, Source
 
     plan = Source(size).shuffle(SEED).repeat().lanes(64).batch(batch)
-    loader = Loader(plan, SyntheticSource(size, ds.width))
+    loader = Loader(Pipeline(plan, SyntheticSource(size, ds.width)))
     t0 = time.perf_counter()
     for _ in range(steps):
         b = next(loader)
@@ -216,16 +216,17 @@ def case_plan_memory(ds: DataSet, size: int, steps: int, batch: int) -> dict[str
 def case_resume(ds: DataSet, batch: int, far: int, trials: int, runner: str) -> dict[str, Any]:
     """Time to the first batch at step 0, at step `far` (start_step) and restoring a state saved
     at `far`: each from a new Loader on an opened source, median of `trials` alternated runs."""
-    from zephon import Loader, Source
+    from zephon import How, Loader, Pipeline, Source
     from zephon.runners import from_spec
 
     src = zephon_source(ds, "array_record")
     plan = Source(len(src)).shuffle(SEED).repeat().lanes(64).batch(batch)
-    saved = Loader(plan, src, start_step=far).state()
+    pipe = Pipeline(plan, src)
+    saved = Loader(pipe, start_step=far).state()
 
     def first(start: int, restore: bool) -> float:
         t0 = time.perf_counter()
-        loader = Loader(plan, src, runner=from_spec(runner), start_step=0 if restore else start)
+        loader = Loader(pipe, how=How(runner=from_spec(runner)), start_step=0 if restore else start)
         if restore:
             loader.restore(saved)
         b = next(loader)

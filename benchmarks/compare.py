@@ -77,7 +77,7 @@ def zephon_rank(root: Path, records: int, width: int, batch: int, r: int, d: int
 
     src = ArrayRecordSource(ar_paths(root), FixedFields({"tokens": ("int32", (width,))}))
     plan = z.Source(records).shuffle(seed=SEED).repeat().lanes(LANES).batch(batch)
-    return (b.data["tokens"] for b in z.Loader(plan, src, rank=r, world=d))
+    return (b.data["tokens"] for b in z.Loader(z.Pipeline(plan, src), z.Where(rank=r, world=d)))
 
 
 def grain_rank(root: Path, records: int, width: int, batch: int, r: int, d: int) -> Iterator[np.ndarray]:

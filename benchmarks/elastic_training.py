@@ -318,9 +318,9 @@ def zephon_rank(d: dict[str, Any], cfg: Config, rank: int, world: int) -> Zephon
         return ArraySource({"text": a})
 
     tokenize = [Tokenize(d["tokenizer"], eos=EOS_ID)]
-    return ZephonRank(z.Loader(zephon_plan(d, cfg), [texts(d["code"]), texts(d["prose"])],
-                               [Pack(cfg.seq_len, "concat")], per_source={0: tokenize, 1: tokenize},
-                               rank=rank, world=world))
+    return ZephonRank(z.Loader(z.Pipeline(zephon_plan(d, cfg), [texts(d["code"]), texts(d["prose"])],
+                                          [Pack(cfg.seq_len, "concat")], per_source={0: tokenize, 1: tokenize}),
+                               z.Where(rank=rank, world=world)))
 
 
 class GlobalBatches:

@@ -68,8 +68,8 @@ def run_degree(plan: Any, src: Any, ops: Any, world: int) -> tuple[list[int], in
     times: dict[str, float] = {}
 
     def rank(r: int) -> None:
-        ld = z.Loader(plan, src, ops(), rank=r, world=world,
-                      all_gather=None if gather is None else gather.for_rank(r))
+        ld = z.Loader(z.Pipeline(plan, src, ops()),
+                      z.Where(rank=r, world=world, all_gather=None if gather is None else gather.for_rank(r)))
         t = time.perf_counter()
         if world > 1:
             ld.settle_end()
@@ -99,10 +99,10 @@ def cost(plan: Any, src: Any, ops: Any) -> dict[str, float]:
     """Rank 0 of D = 2 alone, its all-gather answered with its own counts (no thread waits),
     against the D = 1 epoch: the counting pass is the only extra work."""
     t = time.perf_counter()
-    for _ in z.Loader(plan, src, ops()):
+    for _ in z.Loader(z.Pipeline(plan, src, ops())):
         pass
     d1 = time.perf_counter() - t
-    ld = z.Loader(plan, src, ops(), rank=0, world=2, all_gather=lambda v: [v])
+    ld = z.Loader(z.Pipeline(plan, src, ops()), z.Where(rank=0, world=2, all_gather=lambda v: [v]))
     t = time.perf_counter()
     ld.settle_end()
     count = time.perf_counter() - t

@@ -143,8 +143,8 @@ def zephon_stream(shards: list[str], reduce: bool = True, depth: int | None = No
 
     src = WebDatasetSource(shards, ["jpg", "cls"])
     ops = [DecodeImage("jpg", RandomResizedCrop(SIZE, SCALE, RATIO), flip=0.5, reduce=reduce)]
-    loader = z.Loader(z.Source(len(src)).shuffle(0).repeat().lanes(8).batch(BATCH), src, ops,
-                      runner=processes(2, depth=depth), telemetry=False)
+    loader = z.Loader(z.Pipeline(z.Source(len(src)).shuffle(0).repeat().lanes(8).batch(BATCH), src, ops),
+                      how=z.How(runner=processes(2, depth=depth), telemetry=False))
     try:
         for b in loader:
             assert b.data["jpg"].shape == (BATCH, SIZE, SIZE, 3)

@@ -32,7 +32,7 @@ def zephon_rows(texts: list[str], tokenizer: Any, seq_len: int, batch: int, mode
                 runner: str) -> dict[str, Any]:
     from pack import measure_stream  # benchmarks/ is on sys.path when pack.py runs
 
-    from zephon import Loader, Source
+    from zephon import How, Loader, Pipeline, Source
     from zephon.ops.pack import Pack
     from zephon.ops.tokenize import Tokenize
     from zephon.runners import from_spec
@@ -45,6 +45,6 @@ def zephon_rows(texts: list[str], tokenizer: Any, seq_len: int, batch: int, mode
     name, _, cache = runner.partition(" cache=")
     run = None if name == "inline" else from_spec(name if ":" in name else name + ":2")
     tokenize = Tokenize(tokenizer) if not cache else Tokenize(tokenizer, cache=int(cache))
-    loader = Loader(plan, ArraySource({"text": col}), [tokenize, Pack(seq_len, mode)], runner=run)
+    loader = Loader(Pipeline(plan, ArraySource({"text": col}), [tokenize, Pack(seq_len, mode)]), how=How(runner=run))
     out = measure_stream(_stream(loader))
     return {**out, "tokens_lost": 0.0}

@@ -53,7 +53,7 @@ import grain  # noqa: E402
 import numpy as np  # noqa: E402
 from pack import measure_stream  # noqa: E402  (benchmarks/ is sys.path[0] when this script runs)
 
-from zephon import Loader, Source  # noqa: E402
+from zephon import How, Loader, Pipeline, Source  # noqa: E402
 from zephon.demo.chatdata import chat_texts, generate_chats  # noqa: E402
 from zephon.demo.textdata import train_bpe  # noqa: E402
 from zephon.ops.chat import Chat, ChatTemplate  # noqa: E402
@@ -131,9 +131,10 @@ def zephon_stream(convs: list[list[dict[str, str]]], tokenizer: Any, runner: str
     from zephon import runners
 
     run = None if runner == "inline" else runners.processes(2)
-    loader = Loader(Source(len(convs)).repeat().lanes(LANES).batch(BATCH),
-                    ArraySource({"messages": objects(convs)}),
-                    [Chat(tokenizer, template=TEMPLATE), Pack(SEQ_LEN, "best_fit", max_open_bins=BINS)], runner=run)
+    loader = Loader(Pipeline(Source(len(convs)).repeat().lanes(LANES).batch(BATCH),
+                             ArraySource({"messages": objects(convs)}),
+                             [Chat(tokenizer, template=TEMPLATE), Pack(SEQ_LEN, "best_fit", max_open_bins=BINS)]),
+                    how=How(runner=run))
     try:
         for b in loader:
             yield b.data

@@ -117,7 +117,7 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     evals = [[0, et.evaluate(model, ev)]]
     t0 = time.perf_counter()
-    with z.Loader(plan, ArraySource(rows)) as loader:
+    with z.Loader(z.Pipeline(plan, ArraySource(rows))) as loader:
         for step in range(cfg.steps):
             batch = {k: torch.from_numpy(v).long() for k, v in next(loader).data.items()}
             for g in opt.param_groups:

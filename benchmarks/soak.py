@@ -48,7 +48,7 @@ import psutil
 from tqdm import tqdm
 
 import zephon
-from zephon import Loader, Mix, Source, WorkerError, load_state, merge_states, save_state
+from zephon import How, Loader, Mix, Pipeline, Source, Where, WorkerError, load_state, merge_states, save_state
 from zephon.demo.textdata import EOS_ID, generate_corpus, train_bpe, write_jsonl
 from zephon.fingerprints import first_mismatch, lane_digests, step_fingerprint
 from zephon.ops.pack import Pack
@@ -92,10 +92,11 @@ class Job:
                         list(WEIGHTS), by="tokens").lanes(LANES).batch(BATCH)
 
     def loader(self, rank: int = 0, world: int = 1, runner=None) -> Loader:
-        return Loader(self.plan, [JsonlSource(self.paths[0]), JsonlSource(self.paths[1])],
-                      [Pack(SEQ, "concat")], rank=rank, world=world, runner=runner,
-                      per_source={0: [Tokenize(self.tokenizer, eos=EOS_ID)],
-                                  1: [Tokenize(self.tokenizer, field="body", eos=EOS_ID)]})
+        return Loader(Pipeline(self.plan, [JsonlSource(self.paths[0]), JsonlSource(self.paths[1])],
+                               [Pack(SEQ, "concat")],
+                               per_source={0: [Tokenize(self.tokenizer, eos=EOS_ID)],
+                                           1: [Tokenize(self.tokenizer, field="body", eos=EOS_ID)]}),
+                      Where(rank=rank, world=world), How(runner=runner))
 
     def complete_epochs(self, state: dict) -> list[int]:
         """Per source, the epochs every lane has emitted entirely: lane l's inputs of source s

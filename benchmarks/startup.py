@@ -101,7 +101,7 @@ def run_case(case: str, root: Path, shards: int) -> dict:
         import pyarrow.parquet  # noqa: F401
         from array_record.python import array_record_module  # noqa: F401
 
-        from zephon import Loader, Source
+        from zephon import Loader, Pipeline, Source
         from zephon.sources import ArrayRecordSource, FixedFields, JsonlSource, ParquetSource
 
         fds0 = open_fds()
@@ -113,7 +113,7 @@ def run_case(case: str, root: Path, shards: int) -> dict:
         else:
             src = JsonlSource(files, schema={"tokens": "list[int]"})
         t_open = time.perf_counter() - t0
-        loader = Loader(Source(len(src)).shuffle(SEED).lanes(LANES).batch(BATCH), src)
+        loader = Loader(Pipeline(Source(len(src)).shuffle(SEED).lanes(LANES).batch(BATCH), src))
         batch = next(iter(loader))
         first = time.perf_counter() - t0
         tokens = np.asarray(batch.data["tokens"])

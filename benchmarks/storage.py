@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zephon import Loader, Source, storage  # noqa: E402
+from zephon import How, Loader, Pipeline, Source, Where, storage  # noqa: E402
 from zephon.plan.blockshuffle import block_shuffles  # noqa: E402
 from zephon.sources import (  # noqa: E402
     ArrayRecordSource,
@@ -120,7 +120,7 @@ def run_case(kind: str, base: str, names: dict[str, str], batch: int, rows_targe
     else:
         steps = max(1, rows_target // batch)
     t1 = time.perf_counter()
-    with Loader(plan, src) as loader:
+    with Loader(Pipeline(plan, src)) as loader:
         plan = loader.plan  # block="auto" resolved
         it = iter(loader)
         next(it)
@@ -319,7 +319,7 @@ def ranks_of_64(kind: str, base: str, names: dict[str, str], batch: int, ranks=(
         req0 = storage.STATS["requests"]
         # reads of one epoch of this rank's lane (the default read-ahead, 16384 rows, would read
         # ten epochs of one lane at once: the rows counted are the rows read)
-        with Loader(plan, src, rank=rank, world=64, read_ahead=len(src) // 64) as loader:
+        with Loader(Pipeline(plan, src), Where(rank=rank, world=64), How(read_ahead=len(src) // 64)) as loader:
             for _ in range(steps):
                 next(loader)
         stats = src.block_stats()

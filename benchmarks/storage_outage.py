@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zephon import Loader, Source, storage  # noqa: E402
+from zephon import How, Loader, Pipeline, Source, storage  # noqa: E402
 from zephon.fingerprints import lane_digests, step_fingerprint  # noqa: E402
 from zephon.runners import inline, processes  # noqa: E402
 from zephon.sources import ArrayRecordSource, FixedFields, write_sharded_array_record  # noqa: E402
@@ -42,7 +42,8 @@ SPEC = FixedFields({"tokens": ("int32", (256,))})
 
 def _loader(url: str, n: int, batch: int, runner: str) -> Loader:
     plan = Source(n).shuffle(3).repeat().lanes(8).batch(batch)
-    return Loader(plan, ArrayRecordSource(url, SPEC), runner=inline() if runner == "inline" else processes(2))
+    return Loader(Pipeline(plan, ArrayRecordSource(url, SPEC)),
+                  how=How(runner=inline() if runner == "inline" else processes(2)))
 
 
 def _epoch(loader: Loader, steps: int, server: Server | None = None, halt_at: int = 0,

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon import Filter, Loader, Source
+from zephon import Filter, How, Loader, Pipeline, Source
 from zephon.sources import ArraySource
 
 HERE = Path(__file__).resolve().parent
@@ -61,8 +61,8 @@ def make(src: Any, emitter: str, batch: int, engine: bool, telemetry: bool) -> A
     if emitter == "torch":
         from zephon.backends.torch import TorchLoader
 
-        return TorchLoader(plan, src, ops, telemetry=telemetry)
-    return Loader(plan, src, ops, telemetry=telemetry)
+        return TorchLoader(Pipeline(plan, src, ops), how=How(telemetry=telemetry))
+    return Loader(Pipeline(plan, src, ops), how=How(telemetry=telemetry))
 
 
 def name(kind: str, emitter: str, batch: int, engine: bool) -> str:

@@ -97,7 +97,7 @@ def grain_best(texts: list[str], tokenizer: Any) -> Any:
 
 
 def zephon_stream(texts: list[str], tokenizer: Any, runner: str, eos: int) -> Any:
-    from zephon import Loader, Source
+    from zephon import How, Loader, Pipeline, Source
     from zephon.ops.pack import Pack
     from zephon.ops.tokenize import Tokenize
     from zephon.runners import from_spec
@@ -106,8 +106,8 @@ def zephon_stream(texts: list[str], tokenizer: Any, runner: str, eos: int) -> An
     col = np.empty(len(texts), dtype=object)
     col[:] = texts
     plan = Source(len(texts)).shuffle(0).lanes(8).batch(BATCH)
-    loader = Loader(plan, ArraySource({"text": col}), [Tokenize(tokenizer, eos=eos), Pack(SEQ_LEN, "concat")],
-                    runner=None if runner == "inline" else from_spec(runner))
+    loader = Loader(Pipeline(plan, ArraySource({"text": col}), [Tokenize(tokenizer, eos=eos), Pack(SEQ_LEN, "concat")]),
+                    how=How(runner=None if runner == "inline" else from_spec(runner)))
     try:
         for b in loader:
             yield b.data

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon import Loader, Source
+from zephon import Loader, Pipeline, Source
 from zephon.demo.vlmdata import BOS_ID, EOS_ID, IMAGE_ID, draw_image, generate_vlm, vlm_tokenizer
 from zephon.media.headers import image_sizes
 from zephon.media.patches import Patches
@@ -159,7 +159,7 @@ def bench_packing(args: argparse.Namespace) -> dict[str, Any]:
 
     # steady state: fill and per-rank balance at D = 8
     plan = Source(n).shuffle(1).repeat().lanes(LANES).batch(BATCH)
-    loader = Loader(plan, src, [vt, pack])
+    loader = Loader(Pipeline(plan, src, [vt, pack]))
     t0 = time.perf_counter()
     fills, tfill, pfill, worst, per_rank_total = [], [], [], [], np.zeros(D)
     decoded = 0
@@ -177,8 +177,8 @@ def bench_packing(args: argparse.Namespace) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
 
     # the same documents packed by text tokens only (no vision budget): images ride along
-    text_only = Loader(plan, src, [vt, Pack(SEQ_LEN, "best_fit", max_open_bins=16, mask="loss_mask",
-                                            drop=("image_grid", "image_size", "images", "doc_ref"))])
+    text_only = Loader(Pipeline(plan, src, [vt, Pack(SEQ_LEN, "best_fit", max_open_bins=16, mask="loss_mask",
+                                                     drop=("image_grid", "image_size", "images", "doc_ref"))]))
     worst_text, fill_text_patches = [], []
     for _ in range(args.steps):
         d = next(text_only).data
@@ -188,7 +188,7 @@ def bench_packing(args: argparse.Namespace) -> dict[str, Any]:
         fill_text_patches.append(p.max() / max(1.0, p.mean()))
 
     # pad mode, one epoch: every document in, counted out
-    finite = Loader(Source(n).shuffle(2).lanes(LANES).batch(BATCH, remainder="pad"), src, [vt, pack])
+    finite = Loader(Pipeline(Source(n).shuffle(2).lanes(LANES).batch(BATCH, remainder="pad"), src, [vt, pack]))
     seen = np.zeros(n, np.int64)
     out_tokens = out_patches = out_images = 0
     valid_rows = 0

@@ -78,8 +78,8 @@ def loader(shards: list[str], batch: int, rank: int = 0, world: int = 1, workers
     plan = z.Source(len(src), name="demo_images").shuffle(0).repeat().lanes(8).batch(batch)
     # read_ahead: rows per read task. Text pipelines read thousands of rows at once; a decoded
     # image costs ~1 ms, so a task of one batch keeps both workers busy without decoding far ahead
-    return TorchLoader(plan, src, ops, seed=1, rank=rank, world=world, read_ahead=batch,
-                       runner=processes(workers) if workers else None)
+    return TorchLoader(z.Pipeline(plan, src, ops, seed=1), z.Where(rank=rank, world=world),
+                       z.How(read_ahead=batch, runner=processes(workers) if workers else None))
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zephon import RandomMap, Source, load_state, save_state
+from zephon import How, Pipeline, RandomMap, Source, Where, load_state, save_state
 from zephon.backends.jax import JaxLoader
 from zephon.sources.memory import ArraySource
 
@@ -79,7 +79,8 @@ def train(shape: tuple[int, ...], steps: int, params: dict[str, jax.Array] | Non
     replicated = NamedSharding(mesh, P())
     params = jax.device_put(params if params is not None else init_params(jax.random.key(0)), replicated)
     losses = []
-    with JaxLoader(PLAN, dataset(), TRANSFORMS, mesh=mesh, batch_axes=axes, prefetch=2) as loader:
+    with JaxLoader(Pipeline(PLAN, dataset(), TRANSFORMS), Where(mesh=mesh, batch_axes=axes),
+                   How(prefetch=2)) as loader:
         if state is not None:
             loader.restore(state)
         while loader.step < steps:

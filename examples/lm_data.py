@@ -7,7 +7,7 @@ tokenizer, and the Zephon pipeline that feeds them to a model.
   document (`Tokenize`, EOS appended) and packs rows of `--seq-len` tokens (`Pack(..., "concat")`:
   no padding, no token lost), with a short batch-size warm-up by tokens (`--ramp-from` rows a step
   until `--ramp-tokens` tokens were seen, then `--batch`). It returns the loader arguments, for any emitter:
-  `JaxLoader(**lm_pipeline(out, args), mesh=...)`, `ZephonIterableDataset(**lm_pipeline(out, args))`.
+  `JaxLoader(lm_pipeline(out, args), zephon.Where(mesh=...))`, `ZephonIterableDataset(lm_pipeline(out, args))`.
 - `eval_pipeline`: the held-out evaluation set (code files and prose documents not trained on),
   a *finite* plan read whole (`Mix(..., stop="all")`), packed, its last steps padded
   (`remainder="pad"`): every held-out token is scored exactly once, at any number of ranks.
@@ -72,9 +72,9 @@ def describe_batches(plan: z.Batching, seq_len: int) -> str:
     return ", then ".join(parts)
 
 
-def lm_pipeline(out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """The packed, mixed LM pipeline over `write_data`'s files: a loader's plan, sources,
-    transforms and per-source tokenizers, as keyword arguments."""
+def lm_pipeline(out: Path, args: argparse.Namespace) -> z.Pipeline:
+    """The packed, mixed LM pipeline over `write_data`'s files: plan, sources, packing and
+    per-source tokenizers, one `zephon.Pipeline` every loader takes."""
     code, prose = JsonlSource(str(out / "code.jsonl")), JsonlSource(str(out / "prose.jsonl"))
     lanes = z.Mix([z.Source(len(code), id=0).shuffle(seed=1).repeat(),
                    z.Source(len(prose), id=1).shuffle(seed=2).repeat()],
@@ -86,21 +86,21 @@ def lm_pipeline(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     else:
         plan = lanes.batch(args.batch)
     tokenizer = str(out / "tokenizer.json")
-    return {"plan": plan, "sources": [code, prose], "transforms": [Pack(args.seq_len, "concat")],
-            "per_source": {0: [Tokenize(tokenizer, field="source", eos=EOS_ID)],
-                           1: [Tokenize(tokenizer, field="text", eos=EOS_ID)]}}
+    return z.Pipeline(plan, [code, prose], [Pack(args.seq_len, "concat")],
+                      per_source={0: [Tokenize(tokenizer, field="source", eos=EOS_ID)],
+                                  1: [Tokenize(tokenizer, field="text", eos=EOS_ID)]})
 
 
-def eval_pipeline(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def eval_pipeline(out: Path, args: argparse.Namespace) -> z.Pipeline:
     """The held-out set as a finite plan: both files read whole (60/40 by tokens while both
-    last), tokenized, packed like training, the last steps padded — loader keyword arguments."""
+    last), tokenized, packed like training, the last steps padded — a `zephon.Pipeline`."""
     code, prose = JsonlSource(str(out / "eval_code.jsonl")), JsonlSource(str(out / "eval_prose.jsonl"))
     plan = z.Mix([z.Source(len(code), id=0), z.Source(len(prose), id=1)], [0.6, 0.4], by="tokens",
                  stop="all").lanes(args.lanes).batch(args.batch, remainder="pad")
     tokenizer = str(out / "tokenizer.json")
-    return {"plan": plan, "sources": [code, prose], "transforms": [Pack(args.seq_len, "concat")],
-            "per_source": {0: [Tokenize(tokenizer, field="source", eos=EOS_ID)],
-                           1: [Tokenize(tokenizer, field="text", eos=EOS_ID)]}}
+    return z.Pipeline(plan, [code, prose], [Pack(args.seq_len, "concat")],
+                      per_source={0: [Tokenize(tokenizer, field="source", eos=EOS_ID)],
+                                  1: [Tokenize(tokenizer, field="text", eos=EOS_ID)]})
 
 
 RowLoss = Callable[[Mapping[str, np.ndarray]], np.ndarray]

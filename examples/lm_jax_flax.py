@@ -12,7 +12,7 @@ What it does:
    packs rows of `--seq-len` tokens (`Pack`, concat). The batch size warms up by tokens (half of
    `--batch` rows a step for two steps' tokens, then `--batch`): the arrays' leading dimension
    changes once, so the jitted train step compiles once per size (twice in all).
-2. Run A on mesh (data=2, fsdp=4): `JaxLoader(..., mesh=mesh, batch_axes=("data", "fsdp"))` gives
+2. Run A on mesh (data=2, fsdp=4): `JaxLoader(pipeline, Where(mesh=mesh, batch_axes=("data", "fsdp")))` gives
    every field as a global `jax.Array` sharded over all 8 devices; parameters (and Adam's moments)
    are sharded over `fsdp` on their largest divisible dimension, replicated over `data` (FSDP).
    The model's attention is causal *within each packed document*: the mask comes from
@@ -68,8 +68,8 @@ from zephon.backends.jax import JaxLoader
 
 # --- data: the corpora, the tokenizer and the packed, mixed pipeline are in lm_data.py ------------
 def make_loader(out: Path, args: argparse.Namespace, mesh: Mesh) -> JaxLoader:
-    return JaxLoader(**lm_pipeline(out, args), mesh=mesh, batch_axes=("data", "fsdp"), exclude=("cu_seqlens",),
-                     prefetch=2)
+    return JaxLoader(lm_pipeline(out, args), zephon.Where(mesh=mesh, batch_axes=("data", "fsdp")),
+                     zephon.How(prefetch=2), exclude=("cu_seqlens",))
 
 
 # --- model --------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def held_out_loss(args: argparse.Namespace, mesh: Mesh, trainer: Trainer, state:
     params = jax.device_get(state["params"])
     apply = jax.jit(lambda p, tokens, seg, pos, targets: optax.softmax_cross_entropy_with_integer_labels(
         trainer.model.apply({"params": p}, tokens, seg, pos), targets))
-    with JaxLoader(**eval_pipeline(args.out, args), mesh=mesh, batch_axes=("data", "fsdp"),
+    with JaxLoader(eval_pipeline(args.out, args), zephon.Where(mesh=mesh, batch_axes=("data", "fsdp")),
                    exclude=("cu_seqlens",)) as loader:
         return evaluate(loader, lambda r: apply(params, r["tokens"], r["segment_ids"], r["positions"], r["targets"]))
 

@@ -72,16 +72,16 @@ from zephon.backends.torch import ZephonDataLoader, ZephonIterableDataset
 def make_loader(out: Path, args: argparse.Namespace) -> ZephonDataLoader:
     """The packed, mixed LM pipeline; rank and world come from torch.distributed (if initialised)."""
     dataset = ZephonIterableDataset(
-        **lm_pipeline(out, args),
+        lm_pipeline(out, args),
+        how=z.How(micro_batches=args.micro_batches),  # must split this rank's rows at every size of the ramp
         dtypes={"tokens": torch.int64, "targets": torch.int64, "segment_ids": torch.int64,
-                "positions": torch.int64, "loss_mask": torch.float32},
-        micro_batches=args.micro_batches)  # must split this rank's rows at every size of the ramp
+                "positions": torch.int64, "loss_mask": torch.float32})
     return ZephonDataLoader(dataset, num_workers=args.workers)
 
 
 def held_out_losses(model: nn.Module, args: argparse.Namespace) -> list[float]:
     """This rank's token losses on the held-out set (its rows of every padded global batch)."""
-    loader = ZephonDataLoader(ZephonIterableDataset(**eval_pipeline(args.out, args)))
+    loader = ZephonDataLoader(ZephonIterableDataset(eval_pipeline(args.out, args)))
 
     def row_loss(r: dict) -> torch.Tensor:
         t = {k: torch.from_numpy(v).long() for k, v in r.items() if k != "valid"}
@@ -259,7 +259,7 @@ def main() -> None:
           f"{args.micro_batches} micro-batches per rank-step)")
     print(f"B (1 process, resumed at step {split} from A's checkpoint) vs A: max |loss diff| = {diff:.3g}"
           f"{'  (bit for bit)' if diff == 0 else ''}")
-    print(f"batch sizes: {describe_batches(lm_pipeline(args.out, args)['plan'], args.seq_len)}; "
+    print(f"batch sizes: {describe_batches(lm_pipeline(args.out, args).plan, args.seq_len)}; "
           f"run A's global batches had {run_a['sizes']} rows")
     print(f"{time.perf_counter() - t0:.0f}s; data, checkpoint and logs in {args.out}")
     eval_a, eval_b = (json.loads((args.out / f"eval_{x}.json").read_text()) for x in "AB")

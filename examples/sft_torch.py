@@ -13,7 +13,7 @@ The pipeline, in every lane:
                              loss_mask = answer token AND same document
 
 A tiny causal transformer (attention kept inside each packed document by `segment_ids`) trains
-with the loss summed over `loss_mask` only; `Loader(domains=True)` adds `source_id` per token,
+with the loss summed over `loss_mask` only; `How(domains=True)` adds `source_id` per token,
 so the loop logs the loss per domain. Half-way, the loader's state is saved and a second loader
 resumes from it: the resumed run's batches and losses equal the uninterrupted run's.
 """
@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from zephon import Mix, Source
+from zephon import How, Mix, Pipeline, Source, Where
 from zephon.backends.torch import TorchLoader
 from zephon.demo.chatdata import chat_texts, generate_chats
 from zephon.demo.textdata import PAD_ID, train_bpe
@@ -126,15 +126,15 @@ def main() -> None:
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     model, opt = fresh()
-    loader = TorchLoader(plan(), sources, transforms(tok), domains=True, rank=0, world=1)
+    loader = TorchLoader(Pipeline(plan(), sources, transforms(tok)), Where(rank=0, world=1), How(domains=True))
     full = train(loader, model, opt, args.steps)
     # stop half-way, save the loader (and the model), resume with a new loader
     half = args.steps // 2
     model, opt = fresh()
-    first = TorchLoader(plan(), sources, transforms(tok), domains=True, rank=0, world=1)
+    first = TorchLoader(Pipeline(plan(), sources, transforms(tok)), Where(rank=0, world=1), How(domains=True))
     part = train(first, model, opt, half, log=False)
     saved = json.loads(json.dumps(first.state_dict()))  # what a checkpoint file would hold
-    resumed = TorchLoader(plan(), sources, transforms(tok), domains=True, rank=0, world=1)
+    resumed = TorchLoader(Pipeline(plan(), sources, transforms(tok)), Where(rank=0, world=1), How(domains=True))
     resumed.load_state_dict(saved)
     part += train(resumed, model, opt, args.steps - half, log=False)
     diff = max(abs(a - b) for a, b in zip(full, part))

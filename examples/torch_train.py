@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zephon import Filter, Source
+from zephon import Filter, Pipeline, Source
 from zephon.backends.torch import ZephonDataLoader, ZephonIterableDataset
 from zephon.fingerprints import global_fingerprint
 from zephon.sources.memory import ArraySource
@@ -90,7 +90,7 @@ def train(world: int, args: argparse.Namespace, start: int, stop: int, resume: b
     """Trains global steps [start, stop), optionally resuming from / saving a checkpoint."""
     plan = Source(RECORDS).shuffle(seed=42).repeat().lanes(LANES).batch(BATCH)
     transforms = [Filter(not_class_zero, batched=True)] if args.filter else []
-    loader = ZephonDataLoader(ZephonIterableDataset(plan, dataset(), transforms), num_workers=args.workers)
+    loader = ZephonDataLoader(ZephonIterableDataset(Pipeline(plan, dataset(), transforms)), num_workers=args.workers)
     net = DDP(model())
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     ckpt = str(args.out / "checkpoint")

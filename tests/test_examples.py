@@ -88,12 +88,10 @@ def test_held_out_loss_is_identical_at_every_degree(tmp_path):
     def row_loss(row):
         return weights[row["targets"][0]]
 
-    kw = lm_data.eval_pipeline(tmp_path, args)
+    pipe = lm_data.eval_pipeline(tmp_path, args)
     got = {}
     for d in (1, 2, 4, 8):
-        batches = [b.data for r in range(d)
-                   for b in z.Loader(kw["plan"], kw["sources"], kw["transforms"], per_source=kw["per_source"],
-                                     rank=r, world=d)]
+        batches = [dict(b) for r in range(d) for b in z.Loader(pipe, z.Where(rank=r, world=d))]
         got[d] = lm_data.evaluate(batches, row_loss)
     assert len(set(got.values())) == 1, got
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))

@@ -662,11 +662,11 @@ def test_rows_kept_for_drifting_lanes_stay_bounded():
     got, kept, spread = [], [], 0
     for _ in range(2400):
         got.append(next(l))
-        eng = l._engine
-        kept.append(sum(int(w.bounds[-1]) for p in eng.pending for w in p))
+        eng = l.engine.lane_engine
+        kept.append(sum(int(w.bounds[-1]) for p in eng.windows.pending for w in p))
         cur = np.array([st.cursor for st in eng.states])
         spread = max(spread, int((cur.max(0) - cur.min(0)).max()))
-    bound = 8 * 8 * eng.task.size  # a few windows' worth per lane, whatever the drift
+    bound = 8 * 8 * eng.windows.task.size  # a few windows' worth per lane, whatever the drift
     assert spread > 2 * bound // 8  # the lanes drifted further than what a lane may keep
     assert max(kept) <= bound, (max(kept), bound)  # lock-step windows: 1,344 by step 1,500
     # which window reads which input changes no data: larger windows give the same stream

@@ -60,7 +60,7 @@ def w_shape(batch, name):
 def test_torch_tensors_and_pinned_dynamic_form(reference, caplog):
     torch = pytest.importorskip("torch")
     from zephon.backends import torch as tb
-    from zephon.backends.torch.batch import _can_pin
+    from zephon.backends.torch.batch import can_pin
     from zephon.backends.torch.vlm import packed_patches as torch_packed
 
     p, ref = reference
@@ -79,8 +79,8 @@ def test_torch_tensors_and_pinned_dynamic_form(reference, caplog):
         for k, v in ref_dyn.items():
             assert isinstance(dyn[k], torch.Tensor)
             np.testing.assert_array_equal(dyn[k].numpy(), v, err_msg=k)
-            assert dyn[k].is_pinned() == _can_pin()
-        if not _can_pin():
+            assert dyn[k].is_pinned() == can_pin()
+        if not can_pin():
             assert "not pinned" in caplog.text
 
 

@@ -8,6 +8,8 @@ construction. Comparing two runs names the first step, lane and field that diffe
 Lane records keep, per lane of a step, its digest and every row's; `compare_steps` finds the first
 differing row and `Divergence` names it. The report of a whole configuration matrix (`Report`,
 `RunResult`, `write_heatmap`) is in `zephon.testing.report`.
+
+Terms (docs/glossary.md): fingerprint.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ Timing costs a few clock reads per step and per group read; it never touches the
 batches are the same with telemetry on and off. `log_every=seconds` logs a summary through
 `logging` (logger `zephon.telemetry`, level INFO) at most that often; `progress=True` shows a
 tqdm bar (with an ETA when the plan has a length).
+
+Terms (docs/glossary.md): telemetry, stall, sink.
 """
 
 from __future__ import annotations

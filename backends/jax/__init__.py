@@ -15,8 +15,8 @@ from zephon.backends.jax.batch import (
     Emitter,
     HostBatch,
     JaxBatch,
-    _jax_dtype,  # noqa: F401 - zephon.testing checks dtypes with it
     device_dtype_array,
+    jax_holds_dtype,
     join_micro_batches,
     micro_batches,
 )
@@ -26,6 +26,8 @@ from zephon.backends.jax.placement import (
     DataParallel,
     Shardings,
     batch_sharding,
+    check_shardings,
+    describe_batch_axes,
     num_batch_shards,
     plan_layout,
     process_ranks,
@@ -34,6 +36,7 @@ from zephon.backends.jax.prefetch import Item
 
 __all__ = [
     "BatchAxes", "DataParallel", "Emitter", "HostBatch", "Item", "JaxBatch", "JaxLoader", "Shardings",
-    "batch_sharding", "device_dtype_array", "join_micro_batches", "micro_batches", "num_batch_shards",
+    "batch_sharding", "check_shardings", "describe_batch_axes", "device_dtype_array", "jax_holds_dtype",
+    "join_micro_batches", "micro_batches", "num_batch_shards",
     "plan_layout", "process_ranks",
 ]

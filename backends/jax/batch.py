@@ -28,8 +28,9 @@ from zephon.telemetry import Telemetry
 HostBatch = dict[str, tuple[np.ndarray, tuple[int, ...]]]
 
 
-def _jax_dtype(dtype: np.dtype) -> bool:
-    """Whether JAX holds `dtype` (bfloat16 and the float8 types are numpy 'V' kinds)."""
+def jax_holds_dtype(dtype: np.dtype) -> bool:
+    """Whether JAX holds `dtype` (bfloat16 and the float8 types are numpy 'V' kinds): what
+    `device_dtype_array` refuses otherwise, and what checks of a pipeline's fields ask."""
     try:
         jax.dtypes.canonicalize_dtype(dtype)
         return dtype.names is None and dtype.itemsize <= 8
@@ -43,7 +44,7 @@ def device_dtype_array(name: str, arr: np.ndarray) -> np.ndarray:
     Without `jax_enable_x64`, JAX narrows 64-bit values silently; integers that do not fit would
     wrap, so they are an error here rather than wrong data on device.
     """
-    if arr.dtype.kind in "OUS" or (arr.dtype.kind == "V" and not _jax_dtype(arr.dtype)):
+    if arr.dtype.kind in "OUS" or (arr.dtype.kind == "V" and not jax_holds_dtype(arr.dtype)):
         raise PlanError(
             f"field {name!r} has dtype {arr.dtype} (bytes, strings or ragged values), which cannot "
             "become a jax.Array; map it to fixed-size numeric arrays with a transform (tokenize and "

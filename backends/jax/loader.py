@@ -15,29 +15,27 @@ import logging
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, overload
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
+from zephon.backends.doors import no_rest, read_call, refuse
 from zephon.backends.jax.batch import Emitter, JaxBatch
 from zephon.backends.jax.placement import (
-    BatchAxes,
     Shardings,
-    _check_shardings,
-    _describe,
     batch_sharding,
+    check_shardings,
+    describe_batch_axes,
     num_batch_shards,
     plan_layout,
 )
-from zephon.backends.jax.prefetch import _End, _Failure, _Prefetcher
+from zephon.backends.jax.prefetch import End, Failure, Prefetcher
 from zephon.errors import PlanError, WorkerError
 from zephon.exec.loader import Loader, LocalBatch
 from zephon.exec.resize import check_micro_schedule
-from zephon.ops.base import Operator
+from zephon.pipeline import How, Pipeline, Where
 from zephon.plan import Batching
-from zephon.runners.base import Runner
-from zephon.sources.base import RecordSource
 from zephon.telemetry import Stats
 from zephon.telemetry import make as telemetry_recorder
 from zephon.telemetry import require as require_telemetry
@@ -49,29 +47,38 @@ class JaxLoader:
     """Global batches as dicts of sharded `jax.Array`s, prefetched to device.
 
     Args:
-      plan, sources, transforms: as for `zephon.Loader`.
-      mesh, batch_axes: the batch dim is split over `batch_axes` (a mesh axis name or a tuple of
-        names); every field gets `NamedSharding(mesh, PartitionSpec(batch_axes))`.
-      sharding: instead of mesh/batch_axes, a `NamedSharding` for every field, or a mapping
-        field -> `NamedSharding` (e.g. tokens also split over a sequence axis). The batch dim's
+      pipeline: a `zephon.Pipeline(plan, sources, ops, per_source=, seed=)`: what is read.
+      where: a `zephon.Where` naming the placement, one of:
+        `Where(mesh=, batch_axes=)`: the batch dim is split over `batch_axes` (a mesh axis name
+        or a tuple of names; default "data"); every field gets `NamedSharding(mesh,
+        PartitionSpec(batch_axes))`.
+        `Where(sharding=)`: a `NamedSharding` for every field, or a mapping field ->
+        `NamedSharding` (e.g. tokens also split over a sequence axis). The batch dim's
         partitioning must be the same for every field.
-      prefetch: batches kept in flight to the devices ahead of the caller; a background thread
-        loads and converts them on the host, and their transfers are dispatched (asynchronously)
-        from the caller's thread (0: build each batch when asked, in the caller's thread). Memory
-        holds at most 2 * prefetch + 1 batches beyond the one the caller has.
-      exclude: fields not to emit (e.g. raw bytes kept for debugging in the numpy backend).
-      seed, runner, start_step: passed to `zephon.Loader`.
-      telemetry: True (default), False or a `zephon.Telemetry(...)`: `stats()` — how long the
+        The process's data-parallel rank and degree are *derived* from it and
+        `jax.process_index()`, so `rank`, `world`, `group` and `lanes` are refused;
+        `all_gather` defaults to one through `jax.distributed` when there are several processes.
+      how: a `zephon.How`:
+        `prefetch`: batches kept in flight to the devices ahead of the caller; a background
+        thread loads and converts them on the host, and their transfers are dispatched
+        (asynchronously) from the caller's thread (0: build each batch when asked, in the
+        caller's thread). Memory holds at most 2 * prefetch + 1 batches beyond the caller's.
+        `telemetry`: True (default), False or a `zephon.Telemetry(...)`: `stats()` — how long the
         caller waited in `next()` (stall %), the loader's stages and the emit stage (host
         conversion and transfer dispatch; with prefetch=0 the transfer itself).
-      micro_batches: the micro-batch count the train step cuts every batch into: checked up
+        `micro_batches`: the micro-batch count the train step cuts every batch into: checked up
         front against every size of the plan's batch-size schedule, per device block of rows.
+        `runner`, `read_ahead`, `domains`: as for `zephon.Loader`.
+      start_step: first global batch (random-access pipelines; others restore a state).
+      exclude: fields not to emit (e.g. raw bytes kept for debugging in the numpy backend).
+
+    The old form `JaxLoader(plan, sources, transforms, mesh=, batch_axes=, prefetch=, seed=,
+    ...)` works for this version with a `DeprecationWarning` naming the new one.
 
     With a batch-size schedule (`batch(schedule=...)`) the arrays' leading dim is `B(k)` at step
     k, so a `jax.jit`-compiled train step retraces (and compiles) once per distinct batch size —
     a ramp of 3 sizes compiles 3 times, then hits the cache.
 
-    The process's data-parallel rank and degree come from the mesh and `jax.process_index()`.
     Use it as a context manager or call `close()` to stop the prefetch thread promptly.
 
     A finite plan ends at the same step in every process (they agree through `jax.distributed`
@@ -79,48 +86,63 @@ class JaxLoader:
     steps left and `set_epoch(e)` goes to step 0 of pass `e`.
     """
 
-    def __init__(self, plan: Batching, sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource],
-                 transforms: Sequence[Operator] = (), *, mesh: Mesh | None = None,
-                 batch_axes: BatchAxes = "data", sharding: Shardings | None = None, prefetch: int = 2,
-                 exclude: Sequence[str] = (), seed: int = 0, runner: Runner | None = None, start_step: int = 0,
-                 **loader_options: Any) -> None:
-        if not isinstance(plan, Batching):
-            raise PlanError("JaxLoader needs a complete plan: stream.lanes(L).batch(B)")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise PlanError(f"prefetch must be a non-negative integer (batches ahead), got {prefetch!r}")
-        if mesh is not None and sharding is None:
-            shardings: Shardings = batch_sharding(mesh, batch_axes)
-        elif sharding is not None and mesh is None:
-            shardings = _check_shardings(sharding)
+    @overload
+    def __init__(self, pipeline: Pipeline, where: Where | None = None, how: How | None = None, *,
+                 start_step: int = 0, exclude: Sequence[str] = ()) -> None: ...
+
+    @overload  # deprecated: JaxLoader(plan, sources, transforms, mesh=, prefetch=, seed=, ...)
+    def __init__(self, pipeline: Batching, where: Any, how: Sequence[Any] = (), *,
+                 start_step: int = 0, exclude: Sequence[str] = (), **old_form: Any) -> None: ...
+
+    def __init__(self, pipeline: Pipeline | Batching | None = None, where: Any = None, how: Any = None, *,
+                 start_step: int = 0, exclude: Sequence[str] = (), **old_form: Any) -> None:
+        call = read_call("zephon.backends.jax.JaxLoader", pipeline, where, how, old_form)
+        no_rest("JaxLoader", call.rest)
+        where, how = call.where, call.how
+        #: the value this loader reads, and its two option groups
+        self.pipeline, self.where, self.how = call.pipeline, where, how
+        plan = call.pipeline.plan
+        refuse("JaxLoader", where, ("rank", "world", "group", "lanes"),
+               "a JAX process's rows are the block its devices hold, derived from the mesh; pass "
+               "Where(mesh=, batch_axes=) or Where(sharding=) only.")
+        if where.mesh is not None and where.sharding is None:
+            shardings: Shardings = batch_sharding(where.mesh, "data" if where.batch_axes is None
+                                                  else where.batch_axes)
+        elif where.sharding is not None and where.mesh is None and where.batch_axes is None:
+            shardings = check_shardings(where.sharding)
         else:
-            raise PlanError("pass either mesh= (with batch_axes=) or sharding=, not both or neither.")
+            raise PlanError("JaxLoader needs either mesh= (Where(mesh=, batch_axes=)) or sharding= "
+                            "(Where(sharding=)), not both or neither.")
         n = plan.num_steps
-        self._tel = telemetry_recorder(loader_options.pop("telemetry", True),
-                                       None if n is None else max(0, n - start_step))
+        self._tel = telemetry_recorder(how.telemetry, None if n is None else max(0, n - start_step))
         self.emit = Emitter(shardings, frozenset(exclude), self._tel)
         first = shardings if isinstance(shardings, NamedSharding) else next(iter(shardings.values()))
         self.layout = plan_layout(plan, first)
-        micro = loader_options.pop("micro_batches", None)
-        if micro is not None:
-            check_micro_schedule(plan, micro, num_batch_shards(first))
+        if how.micro_batches is not None:
+            check_micro_schedule(plan, how.micro_batches, num_batch_shards(first))
         log.info("process %d loads row block %d of %d of every global batch (%s)", jax.process_index(),
-                 self.layout.rank, self.layout.world, _describe(first))
-        self.prefetch = prefetch
-        loader_options.setdefault("all_gather", _process_all_gather() if jax.process_count() > 1 else None)
-        self._loader = Loader(plan, sources, transforms, seed=seed, rank=self.layout.rank,
-                              world=self.layout.world, runner=runner, start_step=start_step,
-                              telemetry=self._tel is not None, **loader_options)
+                 self.layout.rank, self.layout.world, describe_batch_axes(first))
+        self.prefetch = how.prefetch
+        gather = where.all_gather
+        if gather is None and jax.process_count() > 1:
+            gather = _process_all_gather()
+        # the numpy loader gets the rank the mesh decided; micro-batches were checked per device
+        self._loader = Loader(call.pipeline,
+                              replace(where, mesh=None, batch_axes=None, sharding=None, rank=self.layout.rank,
+                                      world=self.layout.world, all_gather=gather),
+                              replace(how, telemetry=self._tel is not None, micro_batches=None),
+                              start_step=start_step)
         if self._tel is not None and self._loader.telemetry is not None:
             self._tel.include(self._loader.telemetry)
         self._loader.settle_end()  # here, not in the prefetch thread: it may run a collective
         self._state = self._loader.position()
-        self._prefetcher: _Prefetcher | None = None
+        self._prefetcher: Prefetcher | None = None
         self._finalizer: weakref.finalize | None = None
         self._abandoned = False  # a prefetch thread did not stop in time (see zephon.runners.closing)
-        self._ended: _End | _Failure | None = None
+        self._ended: End | Failure | None = None
         self._ahead: collections.deque[tuple[JaxBatch, dict[str, Any], LocalBatch]] = collections.deque()
         self._provenance: LocalBatch | None = None
-        self._last: _End | _Failure | None = None  # what the producer ended with, after _ahead
+        self._last: End | Failure | None = None  # what the producer ended with, after _ahead
 
     @property
     def step(self) -> int:
@@ -163,7 +185,7 @@ class JaxLoader:
         return require_telemetry(self._tel, "this JaxLoader").stats()
 
     def _next_arrays(self) -> JaxBatch:
-        if isinstance(self._ended, _Failure):
+        if isinstance(self._ended, Failure):
             raise self._ended.error
         if self._ended is not None:
             raise StopIteration
@@ -171,19 +193,19 @@ class JaxLoader:
             try:
                 batch = next(self._loader)
             except StopIteration:
-                self._ended = _End()
+                self._ended = End()
                 raise
             arrays = self.emit(batch)
             self._state = self._loader.position()
             self._provenance = replace(batch, data={})
             return arrays
         if self._prefetcher is None:
-            self._prefetcher = _Prefetcher(self._loader, self.emit, self.prefetch)
+            self._prefetcher = Prefetcher(self._loader, self.emit, self.prefetch)
             self._finalizer = weakref.finalize(self, self._prefetcher.stop)
         # Keep `prefetch` batches' transfers in flight: dispatched now, awaited by the step.
         while self._last is None and len(self._ahead) < self.prefetch:
             item = self._prefetcher.take()
-            if isinstance(item, (_End, _Failure)):
+            if isinstance(item, (End, Failure)):
                 self._last = item
             else:
                 self._ahead.append((self.emit.device(item[0]), item[1], item[2]))
@@ -245,7 +267,7 @@ class JaxLoader:
             self._loader.close()
         if self._tel is not None:
             self._tel.close()
-        self._ended = _End()
+        self._ended = End()
 
     def __enter__(self) -> JaxLoader:
         return self

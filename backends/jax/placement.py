@@ -57,7 +57,9 @@ def _batch_axes(sharding: NamedSharding) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _describe(sharding: NamedSharding) -> str:
+def describe_batch_axes(sharding: NamedSharding) -> str:
+    """"batch axes ('data'=2) of the mesh {...}": how error messages and logs name a sharding's
+    batch split, so a user sees which mesh axes and sizes decide a process's rows."""
     sizes = ", ".join(f"{a!r}={sharding.mesh.shape[a]}" for a in _batch_axes(sharding))
     return f"batch axes ({sizes}) of the mesh {dict(sharding.mesh.shape)}"
 
@@ -91,7 +93,7 @@ def process_ranks(sharding: NamedSharding,
         lo, hi = min(rows), max(rows) + 1
         if len(rows) != hi - lo:
             raise PlanError(
-                f"process {proc} holds batch shards {sorted(rows)} of the {_describe(sharding)}, "
+                f"process {proc} holds batch shards {sorted(rows)} of the {describe_batch_axes(sharding)}, "
                 "which are not one contiguous block, so its rows cannot come from one data-parallel "
                 "rank. Order the mesh devices by process (jax.make_mesh does), or put the "
                 "per-process axis first among the batch axes.")
@@ -101,7 +103,7 @@ def process_ranks(sharding: NamedSharding,
     tiled = [(i * size, (i + 1) * size) for i in range(shards // size)] if shards % size == 0 else []
     if blocks != tiled:
         raise PlanError(
-            f"the processes' batch shards {blocks} of the {_describe(sharding)} do not split the "
+            f"the processes' batch shards {blocks} of the {describe_batch_axes(sharding)} do not split the "
             "batch into equal, disjoint blocks; give every process the same number of devices "
             "along the batch axes.")
     return {proc: DataParallel(blocks.index(span), len(blocks)) for proc, span in spans.items()}
@@ -118,7 +120,7 @@ def plan_layout(plan: Batching, sharding: NamedSharding, process: int | None = N
         if size % shards:
             raise PlanError(
                 f"batch size {size}{f' (from step {step})' if step else ''} is not divisible by the "
-                f"{shards} batch shards of the {_describe(sharding)}; use batch sizes that are "
+                f"{shards} batch shards of the {describe_batch_axes(sharding)}; use batch sizes that are "
                 f"multiples of {shards}.")
     ranks = process_ranks(sharding, process_of)
     process = jax.process_index() if process is None else process
@@ -130,17 +132,20 @@ def plan_layout(plan: Batching, sharding: NamedSharding, process: int | None = N
     if lanes.count % dp.world:
         raise PlanError(
             f"lanes={lanes.count} cannot be split over the {dp.world} processes that load distinct "
-            f"rows of the {_describe(sharding)}; build the plan with a lane count divisible by "
+            f"rows of the {describe_batch_axes(sharding)}; build the plan with a lane count divisible by "
             f"{dp.world} (e.g. lanes={math.lcm(lanes.count, dp.world)}).")
     if lanes.mapping != "contiguous" and dp.world > 1:
         raise PlanError(
             f"lanes mapping {lanes.mapping!r} gives each process rows scattered over the batch, but "
-            f"a jax.Array sharded over the {_describe(sharding)} needs each process's rows to be one "
+            f"a jax.Array sharded over the {describe_batch_axes(sharding)} needs each process's rows to be one "
             "contiguous block; build the plan with .lanes(L) (mapping='contiguous').")
     return dp
 
 
-def _check_shardings(sharding: Shardings) -> Shardings:
+def check_shardings(sharding: Shardings) -> Shardings:
+    """`Where(sharding=...)` checked: one `NamedSharding` or a non-empty mapping field ->
+    `NamedSharding`, every one splitting the batch dim over the same mesh axes (a process's rows
+    must be one block for every field); a mapping comes back as a plain dict."""
     items = [sharding] if isinstance(sharding, NamedSharding) else list(dict(sharding).values())
     if not items or not all(isinstance(s, NamedSharding) for s in items):
         raise PlanError("sharding must be a jax.sharding.NamedSharding or a non-empty mapping "
@@ -149,5 +154,5 @@ def _check_shardings(sharding: Shardings) -> Shardings:
     for s in items[1:]:
         if s.mesh != first.mesh or _batch_axes(s) != _batch_axes(first):
             raise PlanError(f"every field's sharding must split the batch dim the same way; got "
-                            f"{_describe(first)} and {_describe(s)}.")
+                            f"{describe_batch_axes(first)} and {describe_batch_axes(s)}.")
     return sharding if isinstance(sharding, NamedSharding) else dict(sharding)

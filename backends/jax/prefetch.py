@@ -2,7 +2,7 @@
 
 A bounded queue carries host batches with the loader's position after each, so the caller's
 state describes the batches it consumed, not the ones prefetched; a failure in the thread
-reaches the caller as an item (`_Failure`), never as a hang.
+reaches the caller as an item (`Failure`), never as a hang.
 """
 
 from __future__ import annotations
@@ -18,22 +18,22 @@ from zephon.exec.loader import Loader, LocalBatch
 from zephon.runners.closing import join_bounded
 
 
-class _End:
-    """Queue marker: the loader is exhausted."""
+class End:
+    """Queue marker: the loader is exhausted (`JaxLoader` then raises StopIteration)."""
 
 
 @dataclass(frozen=True)
-class _Failure:
-    """Queue marker: the producer raised; the consumer re-raises it."""
+class Failure:
+    """Queue marker: the producer raised; the consumer (`JaxLoader.__next__`) re-raises it."""
 
     error: BaseException
 
 
 #: a host batch, the loader's position after it, and its provenance (the batch without data)
-Item = tuple[HostBatch, dict[str, Any], LocalBatch] | _End | _Failure
+Item = tuple[HostBatch, dict[str, Any], LocalBatch] | End | Failure
 
 
-class _Prefetcher:
+class Prefetcher:
     """A thread that runs the loader and the host-side conversion ahead of the caller.
 
     Device transfers are dispatched from the caller's thread (see `JaxLoader.__next__`): on the
@@ -59,7 +59,7 @@ class _Prefetcher:
                 return self._queue.get(timeout=0.1)
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
-                    return _Failure(WorkerError("the prefetch thread stopped (the JaxLoader was "
+                    return Failure(WorkerError("the prefetch thread stopped (the JaxLoader was "
                                                 "closed meanwhile); restore a state or create a "
                                                 "new JaxLoader."))
 
@@ -98,8 +98,8 @@ def _produce(loader: Loader, emit: Emitter, out: queue.Queue[Item], stop: thread
             try:
                 batch = next(loader)
             except StopIteration:
-                put(_End())
+                put(End())
                 return
             put((emit.host(batch), loader.position(), replace(batch, data={})))
     except BaseException as e:
-        put(_Failure(e))
+        put(Failure(e))

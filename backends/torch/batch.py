@@ -116,8 +116,9 @@ def _no_cast(np_dtype: np.dtype, dtype: Any) -> PlanError:
 
 
 @functools.lru_cache(maxsize=1)
-def _can_pin() -> bool:
-    """Whether page-locked memory exists here (it needs an accelerator runtime)."""
+def can_pin() -> bool:
+    """Whether page-locked memory exists here (it needs an accelerator runtime): every torch
+    emitter asks before pinning, and warns instead of failing where it does not."""
     try:
         torch.empty(1).pin_memory()
     except RuntimeError:
@@ -142,7 +143,7 @@ class Emitter:
     def make(dtypes: Mapping[str, Any] | None = None, pin_memory: bool = False,
              device: str | torch.device | None = None) -> Emitter:
         casts = {str(k): torch_dtype(v) for k, v in (dtypes or {}).items()}
-        pin = bool(pin_memory) and _can_pin()
+        pin = bool(pin_memory) and can_pin()
         if pin_memory and not pin:
             log.warning("pin_memory=True but no accelerator is available here; tensors are not "
                         "pinned (values are unchanged).")

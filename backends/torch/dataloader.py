@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from zephon.backends.torch.batch import TorchBatch, _can_pin
+from zephon.backends.torch.batch import TorchBatch, can_pin
 from zephon.backends.torch.dataset import WorkerPart, ZephonIterableDataset
 from zephon.errors import PlanError, StateError
 from zephon.telemetry import Stats, Telemetry
@@ -90,10 +91,15 @@ class ZephonDataLoader(DataLoader):
     position with its rows; this loader joins the W parts of each step in lane order and keeps
     the merged position of the last batch it handed out. The batches are the same for every W.
 
-    `stats()` (telemetry, on by default; `telemetry=False` or a `zephon.Telemetry(...)`) times
-    how long the training loop waited for each batch (stall %) and sums the stage times every
-    worker reports with its batches (read, ops, assembly, emit), so a stage that keeps its
-    workers busy while the loop stalls is the one to give more workers.
+    `stats()` (the dataset's `How(telemetry=...)`: on by default, False, or a
+    `zephon.Telemetry(...)`) times how long the training loop waited for each batch (stall %)
+    and sums the stage times every worker reports with its batches (read, ops, assembly, emit),
+    so a stage that keeps its workers busy while the loop stalls is the one to give more workers.
+
+    Its own arguments are torch `DataLoader`'s: `num_workers`, `pin_memory`, `timeout`,
+    `worker_init_fn`, `multiprocessing_context`, `prefetch_factor` (batches each worker
+    prepares ahead). `telemetry=` here is deprecated (it moved into the dataset's `How`) and
+    works for this version with a `DeprecationWarning`.
 
     Batch-shaping options (`batch_size`, `sampler`, `collate_fn`, ...) do not exist: the plan
     decides batches. Workers are never persistent, so each `iter()` starts them at the cursor,
@@ -103,7 +109,7 @@ class ZephonDataLoader(DataLoader):
     def __init__(self, dataset: ZephonIterableDataset, *, num_workers: int = 0,
                  pin_memory: bool = False, timeout: float = 0, worker_init_fn: Any = None,
                  multiprocessing_context: Any = None, prefetch_factor: int | None = None,
-                 telemetry: bool | Telemetry = True) -> None:
+                 telemetry: bool | Telemetry | None = None) -> None:
         if not isinstance(dataset, ZephonIterableDataset):
             raise PlanError(f"ZephonDataLoader needs a ZephonIterableDataset, got "
                             f"{type(dataset).__name__}; wrap your plan and sources in one.")
@@ -124,6 +130,12 @@ class ZephonDataLoader(DataLoader):
         self._position: dict[str, Any] | None = None  # after the last joined batch (parts)
         self._generation = 0
         self._fresh = True  # the next iter() starts at the dataset's start, not the next epoch
+        if telemetry is None:
+            telemetry = dataset.telemetry_config
+        else:
+            warnings.warn("ZephonDataLoader(dataset, telemetry=...) is deprecated and will be removed in the "
+                          "next version; use ZephonIterableDataset(pipeline, how=zephon.How(telemetry=...)).",
+                          DeprecationWarning, stacklevel=2)
         n = dataset.plan.num_steps
         self._tel = telemetry_recorder(telemetry if dataset.telemetry else False,
                                        None if n is None else max(0, n - dataset.start_step))
@@ -193,7 +205,7 @@ class ZephonDataLoader(DataLoader):
 
     def _joined(self, parts: Iterator[WorkerPart], generation: int, step: int) -> Iterator[dict[str, Any]]:
         workers = self.num_workers
-        pin = self.pin_memory and _can_pin()
+        pin = self.pin_memory and can_pin()
         plan = self.dataset.plan  # type: ignore[attr-defined]
         tel = self._tel
         while True:

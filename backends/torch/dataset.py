@@ -9,22 +9,22 @@ count-changing pipeline's workers each run a block of the rank's lanes and yield
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
-import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
+from zephon.backends.doors import no_rest, read_call, refuse
 from zephon.backends.torch.batch import Emitter
-from zephon.backends.torch.loader import Sources
 from zephon.backends.torch.placement import all_gather_fn, data_parallel
 from zephon.backends.torch.state import seek_position, state_document
 from zephon.errors import PlanError, StateError
 from zephon.exec.loader import Loader
 from zephon.exec.resize import check_micro_schedule
-from zephon.ops.base import Operator
+from zephon.pipeline import How, Pipeline, Where
 from zephon.plan import Batching
 from zephon.runners.base import Runner
 
@@ -62,30 +62,65 @@ class ZephonIterableDataset(IterableDataset):
     position (`WorkerPart`); `ZephonDataLoader` joins the `W` parts of each step. A plain
     DataLoader cannot join them, so it gets such a pipeline with `num_workers <= 1` only.
 
-    Keep `in_order=True` (the default) with workers. A `runner` runs inside whichever process
-    iterates; other keyword arguments go to `zephon.Loader`. With `telemetry=True` (the
-    default) every batch carries its loader's stage times (`TorchBatch.telemetry`), which
-    `ZephonDataLoader.stats()` sums over its workers.
+    Keep `in_order=True` (the default) with workers.
+
+    Args:
+      pipeline: a `zephon.Pipeline(plan, sources, ops, per_source=, seed=)`: what is read.
+      where: a `zephon.Where(rank=, world=, group=, all_gather=)`: rank and world default to
+        `torch.distributed`'s (in `group`); fixed here, never in a worker. `mesh`, `batch_axes`,
+        `sharding` and `lanes` are refused: a DataLoader's batches are plain tensors and its
+        workers split the rank's lanes themselves.
+      how: a `zephon.How`: `runner` runs inside whichever process iterates (each worker its
+        own); `read_ahead`, `micro_batches` (checked against this rank's rows, not a worker's
+        part), `domains` as for `zephon.Loader`; with `telemetry` on (the default) every batch
+        carries its loader's stage times (`TorchBatch.telemetry`), which
+        `ZephonDataLoader.stats()` sums over its workers, reporting as this `How.telemetry`
+        asks (a `zephon.Telemetry(log_every=...)` too). `prefetch` means nothing here: a
+        DataLoader's workers prefetch `prefetch_factor` batches each (`ZephonDataLoader`'s own
+        argument, as in torch).
+      start_step: first global batch (random-access pipelines; others restore a state).
+      dtypes: field -> torch dtype casts of the `Emitter`.
+
+    The old form `ZephonIterableDataset(plan, sources, transforms, seed=, rank=, world=,
+    runner=, ...)` works for this version with a `DeprecationWarning` naming the new one.
 
     A finite plan's end (`len()`) is learnt in the main process, through `torch.distributed`
     when its pipeline changes the number of records, and handed to the loaders it starts.
     `start_epoch(e)` moves the start to step 0 of pass `e` (what `ZephonDataLoader` does).
     """
 
-    def __init__(self, plan: Batching, sources: Sources, transforms: Sequence[Operator] = (), *,
-                 seed: int = 0, rank: int | None = None, world: int | None = None,
-                 group: dist.ProcessGroup | None = None, runner: Runner | None = None, start_step: int = 0,
-                 dtypes: Mapping[str, Any] | None = None, **loader_options: Any) -> None:
-        self.plan, self.sources, self.transforms = plan, sources, tuple(transforms)
-        self._all_gather = loader_options.pop("all_gather", None) or all_gather_fn(group)
-        self.telemetry = bool(loader_options.pop("telemetry", True))  # per-process recorders
-        micro = loader_options.pop("micro_batches", None)  # this rank's rows, not a worker's part
-        self.loader_options = loader_options
+    @overload
+    def __init__(self, pipeline: Pipeline, where: Where | None = None, how: How | None = None, *,
+                 start_step: int = 0, dtypes: Mapping[str, Any] | None = None) -> None: ...
+
+    @overload  # deprecated: ZephonIterableDataset(plan, sources, transforms, seed=, rank=, world=, ...)
+    def __init__(self, pipeline: Batching, where: Any, how: Sequence[Any] = (), *,
+                 start_step: int = 0, dtypes: Mapping[str, Any] | None = None, **old_form: Any) -> None: ...
+
+    def __init__(self, pipeline: Pipeline | Batching | None = None, where: Any = None, how: Any = None, *,
+                 start_step: int = 0, dtypes: Mapping[str, Any] | None = None, **old_form: Any) -> None:
+        call = read_call("zephon.backends.torch.ZephonIterableDataset", pipeline, where, how, old_form)
+        no_rest("ZephonIterableDataset", call.rest)
+        where, how = call.where, call.how
+        refuse("ZephonIterableDataset", where, ("mesh", "batch_axes", "sharding", "lanes"),
+               "a DataLoader's batches are plain tensors of this rank's rows (Where(rank=, world=, "
+               "group=)), and its workers split the rank's lanes themselves; for DTensors over a mesh "
+               "use TorchLoader.")
+        self.pipeline = call.pipeline
+        self.plan, self.sources, self.transforms = self.pipeline.plan, self.pipeline.sources, self.pipeline.ops
+        self._all_gather = where.all_gather or all_gather_fn(where.group)
+        #: how ZephonDataLoader reports (a Telemetry recorder is not sent to workers: see __getstate__)
+        self.telemetry_config = how.telemetry
+        self.telemetry = bool(how.telemetry)  # per-process recorders
         self._end: int | None = None  # the plan's end in the start's epoch, once known
-        self.seed, self.runner = int(seed), runner
-        self.rank, self.world = data_parallel(rank, world, group)
-        if micro is not None:
-            check_micro_schedule(plan, micro, self.world)
+        self.runner = how.runner
+        self.rank, self.world = data_parallel(where.rank, where.world, where.group)
+        if how.micro_batches is not None:  # this rank's rows, not a worker's part
+            check_micro_schedule(self.plan, how.micro_batches, self.world)
+        #: what every loader this dataset starts gets (rank, world, runner and end are per loader)
+        self.how = dataclasses.replace(how, runner=None, telemetry=self.telemetry, micro_batches=None)
+        self.where = Where(rank=self.rank, world=self.world)
+        self.seed = self.pipeline.seed
         self.emitter = Emitter.make(dtypes)
         main = self._loader(start_step, main=True)
         self.one_to_one = main.random_access
@@ -99,11 +134,10 @@ class ZephonIterableDataset(IterableDataset):
                 world: int | None = None, main: bool = False) -> Loader:
         """A loader at `start_step`; only iterating ones get the runner (closing a loader closes it);
         the main one agrees on the plan's end with the other ranks, the others are told it."""
-        return Loader(self.plan, self.sources, self.transforms, seed=self.seed,
-                      rank=self.rank if rank is None else rank, world=self.world if world is None else world,
-                      runner=runner, start_step=start_step, epoch=self.epoch, end=None if main else self._end,
-                      all_gather=self._all_gather if main else None, telemetry=self.telemetry,
-                      **self.loader_options)
+        where = Where(rank=self.rank if rank is None else rank, world=self.world if world is None else world,
+                      all_gather=self._all_gather if main else None)
+        return Loader(self.pipeline, where, dataclasses.replace(self.how, runner=runner),
+                      start_step=start_step, epoch=self.epoch, end=None if main else self._end)
 
     def _emit(self, loader: Loader, batch: Any, worker: int) -> Any:
         """The batch as tensors; with telemetry, timed and carrying this process's stage times."""
@@ -121,7 +155,7 @@ class ZephonIterableDataset(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         # live loaders hold generators, and workers build their own; they are told the end
-        return {**self.__dict__, "_live": None, "_main": None, "_all_gather": None}
+        return {**self.__dict__, "_live": None, "_main": None, "_all_gather": None, "telemetry_config": None}
 
     @property
     def start_step(self) -> int:

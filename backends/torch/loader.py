@@ -8,19 +8,18 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, overload
 
 import torch
-import torch.distributed as dist
 
+from zephon.backends.doors import no_rest, read_call, refuse
 from zephon.backends.torch.batch import Emitter
-from zephon.backends.torch.placement import MeshDims, all_gather_fn, data_parallel, mesh_data_parallel, to_dtensors
+from zephon.backends.torch.placement import all_gather_fn, data_parallel, mesh_data_parallel, to_dtensors
 from zephon.backends.torch.state import state_document
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader, LocalBatch
-from zephon.ops.base import Operator
+from zephon.pipeline import How, Pipeline, Where
 from zephon.plan import Batching
-from zephon.runners.base import Runner
 from zephon.sources.base import RecordSource
 from zephon.telemetry import Stats
 from zephon.telemetry import make as telemetry_recorder
@@ -32,13 +31,26 @@ Sources = RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource]
 class TorchLoader:
     """Global batches as `{field: Tensor}` for a torch training loop, with resumable state.
 
-    Args: as `zephon.Loader`, except that `rank`/`world` default to `torch.distributed`'s (in
-    `group`), or come from `mesh` (then fields are `DTensor`s sharded on dim 0 over
-    `mesh_dims`); plus the `Emitter` options `dtypes`, `pin_memory`, `device`. Other keyword
-    arguments go to `zephon.Loader` (e.g. `read_ahead`). `close()` closes the runner.
-    `telemetry` (True by default, False, or a `zephon.Telemetry(...)`) backs `stats()`: the
-    caller's wait in `next()` (stall %), the loader's stages and the emit stage (tensors, casts,
-    pinning, device transfer).
+    Args:
+      pipeline: a `zephon.Pipeline(plan, sources, ops, per_source=, seed=)`: what is read.
+      where: a `zephon.Where`: `rank`/`world` (default: `torch.distributed`'s, in `group`), or
+        `mesh` (a `DeviceMesh`; fields are then `DTensor`s sharded on dim 0 over `batch_axes`,
+        mesh dim names or indices, default every dim) from which rank and world follow;
+        `lanes`, `all_gather` as for `zephon.Loader` (`all_gather` defaults to one through
+        `torch.distributed` in `group`). `sharding` is JAX's and is refused.
+      how: a `zephon.How`: `runner`, `read_ahead`, `micro_batches`, `domains` as for
+        `zephon.Loader` (`close()` closes the runner); `telemetry` (True by default, False, or a
+        `zephon.Telemetry(...)`) backs `stats()`: the caller's wait in `next()` (stall %), the
+        loader's stages and the emit stage (tensors, casts, pinning, device transfer).
+        `prefetch` means nothing here: batches are built when asked (use `ZephonDataLoader`'s
+        workers, or a `threads`/`processes` runner, to work ahead).
+      start_step: first global batch (random-access pipelines; others restore a state).
+      dtypes, pin_memory, device: the `Emitter`'s casts (field -> torch dtype), page-locked
+        memory, and device transfer.
+
+    The old form `TorchLoader(plan, sources, transforms, seed=, rank=, world=, mesh=,
+    mesh_dims=, runner=, ...)` works for this version with a `DeprecationWarning` naming the new
+    one (`mesh_dims` is now `Where.batch_axes`).
 
     A finite plan ends at the same step on every rank (ranks agree through `torch.distributed`
     when its pipeline changes the number of records), `len()` is the steps left, and every
@@ -46,35 +58,49 @@ class TorchLoader:
     unless `set_epoch(e)` or `load_state_dict` chose where the next one starts.
     """
 
-    def __init__(self, plan: Batching, sources: Sources, transforms: Sequence[Operator] = (), *,
-                 seed: int = 0, rank: int | None = None, world: int | None = None,
-                 group: dist.ProcessGroup | None = None, mesh: Any = None, mesh_dims: MeshDims = None,
-                 runner: Runner | None = None, start_step: int = 0, dtypes: Mapping[str, Any] | None = None,
-                 pin_memory: bool = False, device: str | torch.device | None = None,
-                 **loader_options: Any) -> None:
-        if mesh is not None:
-            if rank is not None or world is not None or group is not None:
-                raise PlanError("pass either mesh or rank/world/group, not both: with a mesh the "
-                                "rows a process loads must be the block its DTensor shard holds.")
+    @overload
+    def __init__(self, pipeline: Pipeline, where: Where | None = None, how: How | None = None, *,
+                 start_step: int = 0, dtypes: Mapping[str, Any] | None = None, pin_memory: bool = False,
+                 device: str | torch.device | None = None) -> None: ...
+
+    @overload  # deprecated: TorchLoader(plan, sources, transforms, seed=, rank=, world=, mesh_dims=, ...)
+    def __init__(self, pipeline: Batching, where: Any, how: Sequence[Any] = (), *,
+                 start_step: int = 0, dtypes: Mapping[str, Any] | None = None, pin_memory: bool = False,
+                 device: str | torch.device | None = None, **old_form: Any) -> None: ...
+
+    def __init__(self, pipeline: Pipeline | Batching | None = None, where: Any = None, how: Any = None, *,
+                 start_step: int = 0, dtypes: Mapping[str, Any] | None = None, pin_memory: bool = False,
+                 device: str | torch.device | None = None, **old_form: Any) -> None:
+        call = read_call("zephon.backends.torch.TorchLoader", pipeline, where, how, old_form,
+                         renames={"mesh_dims": "batch_axes"})
+        no_rest("TorchLoader", call.rest)
+        where, how = call.where, call.how
+        #: the value this loader reads, and its two option groups
+        self.pipeline, self.where, self.how = call.pipeline, where, how
+        plan = call.pipeline.plan
+        refuse("TorchLoader", where, ("sharding",), "a JAX sharding; torch takes Where(mesh=, batch_axes=) "
+               "with a DeviceMesh, or Where(rank=, world=).")
+        if where.mesh is not None:
             if plan.lanes.mapping != "contiguous":
                 raise PlanError("DTensor output needs lanes(..., mapping='contiguous'): with "
                                 "'interleaved' a rank's rows are not one contiguous block of dim 0.")
-            rank, world = mesh_data_parallel(mesh, mesh_dims)
+            rank, world = mesh_data_parallel(where.mesh, where.batch_axes)
         else:
-            rank, world = data_parallel(rank, world, group)
-        loader_options.setdefault("all_gather", all_gather_fn(group))
+            refuse("TorchLoader", where, ("batch_axes",), "batch axes split a mesh; pass Where(mesh=) too.")
+            rank, world = data_parallel(where.rank, where.world, where.group)
         n = plan.num_steps
-        self._tel = telemetry_recorder(loader_options.pop("telemetry", True),
-                                       None if n is None else max(0, n - start_step))
-        self.loader = Loader(plan, sources, transforms, seed=seed, rank=rank, world=world,
-                             runner=runner, start_step=start_step, telemetry=self._tel is not None,
-                             **loader_options)
+        self._tel = telemetry_recorder(how.telemetry, None if n is None else max(0, n - start_step))
+        gather = where.all_gather if where.all_gather is not None else all_gather_fn(where.group)
+        self.loader = Loader(call.pipeline,
+                             replace(where, mesh=None, batch_axes=None, group=None, rank=rank, world=world,
+                                     all_gather=gather),
+                             replace(how, telemetry=self._tel is not None), start_step=start_step)
         if self._tel is not None and self.loader.telemetry is not None:
             self._tel.include(self.loader.telemetry)
         self.loader.settle_end()
         self._fresh = True  # the next iter() continues here instead of starting the next epoch
         self.emitter = Emitter.make(dtypes, pin_memory, device)
-        self._mesh, self._mesh_dims = mesh, mesh_dims
+        self._mesh, self._batch_axes = where.mesh, where.batch_axes
         self._provenance: LocalBatch | None = None
 
     @property
@@ -121,7 +147,7 @@ class TorchLoader:
         t0 = time.perf_counter()
         out = self.emitter(batch)
         self._provenance = replace(batch, data={})
-        out = out if self._mesh is None else to_dtensors(out, self._mesh, self._mesh_dims)
+        out = out if self._mesh is None else to_dtensors(out, self._mesh, self._batch_axes)
         if self._tel is not None:
             self._tel.add("emit", time.perf_counter() - t0)
         return out

@@ -76,13 +76,13 @@ class _TorchGather:
         return out
 
 
-def _mesh_dims(mesh: Any, mesh_dims: MeshDims) -> list[int]:
+def _batch_dims(mesh: Any, batch_axes: MeshDims) -> list[int]:
     """Mesh dims the batch is split over, as indices in mesh order."""
-    if mesh_dims is None:
+    if batch_axes is None:
         return list(range(mesh.ndim))
     names = list(mesh.mesh_dim_names or ())
     out = []
-    for d in ([mesh_dims] if isinstance(mesh_dims, (str, int)) else mesh_dims):
+    for d in ([batch_axes] if isinstance(batch_axes, (str, int)) else batch_axes):
         if isinstance(d, str):
             if d not in names:
                 raise PlanError(f"mesh has no dim named {d!r}; its dims are {names}.")
@@ -91,18 +91,18 @@ def _mesh_dims(mesh: Any, mesh_dims: MeshDims) -> list[int]:
             raise PlanError(f"mesh dim {d} is out of range for a {mesh.ndim}-d mesh.")
         out.append(int(d))
     if not out:
-        raise PlanError("mesh_dims is empty; name the mesh dims the batch is split over.")
+        raise PlanError("batch_axes is empty; name the mesh dims the batch is split over (or pass None: every dim).")
     return sorted(set(out))
 
 
-def mesh_data_parallel(mesh: Any, mesh_dims: MeshDims = None) -> tuple[int, int]:
-    """(rank, world) of this process's row block when the batch is split over `mesh_dims`.
+def mesh_data_parallel(mesh: Any, batch_axes: MeshDims = None) -> tuple[int, int]:
+    """(rank, world) of this process's row block when the batch is split over `batch_axes`.
 
     Rows are split over the dims in mesh order, as DTensor's `Shard(0)` placements split them,
     so rank = this process's coordinate on those dims, flattened row-major. Processes that differ
     only on other dims (replicas) share a rank and load the same rows.
     """
-    dims = _mesh_dims(mesh, mesh_dims)
+    dims = _batch_dims(mesh, batch_axes)
     coord = mesh.get_coordinate()
     if coord is None:
         raise PlanError("this process is not part of the device mesh; build the loader on the "
@@ -111,17 +111,17 @@ def mesh_data_parallel(mesh: Any, mesh_dims: MeshDims = None) -> tuple[int, int]
     return int(np.ravel_multi_index([coord[d] for d in dims], sizes)), math.prod(sizes)
 
 
-def to_dtensors(tensors: Mapping[str, Any], mesh: Any, mesh_dims: MeshDims = None) -> TorchBatch:
-    """Wraps local row blocks as `DTensor`s sharded on dim 0 over `mesh_dims` (others replicate).
+def to_dtensors(tensors: Mapping[str, Any], mesh: Any, batch_axes: MeshDims = None) -> TorchBatch:
+    """Wraps local row blocks as `DTensor`s sharded on dim 0 over `batch_axes` (others replicate).
 
     Precondition (which `TorchLoader(mesh=...)` guarantees): the rows were loaded with the rank
-    and world of `mesh_data_parallel(mesh, mesh_dims)` from a plan with contiguous lane mapping,
+    and world of `mesh_data_parallel(mesh, batch_axes)` from a plan with contiguous lane mapping,
     so every process holds one equal, contiguous block. No communication: shapes are known.
     Pass-through (non-tensor) fields stay local numpy arrays.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    dims = _mesh_dims(mesh, mesh_dims)
+    dims = _batch_dims(mesh, batch_axes)
     placements = [Shard(0) if d in dims else Replicate() for d in range(mesh.ndim)]
     world = math.prod(mesh.size(d) for d in dims)
     out: dict[str, Any] = {}

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zephon.backends.torch.batch import _can_pin
+from zephon.backends.torch.batch import can_pin
 from zephon.errors import PlanError
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def packed_patches(batch: Mapping[str, Any], *, pin_memory: bool = False) -> dic
     cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(counts, 0).to(torch.int32)
     out = {"pixel_values": pix[valid], "grid_thw": g, "image_row": rows, "cu_patches": cu}
-    pin = pin_memory and _can_pin()
+    pin = pin_memory and can_pin()
     if pin_memory and not pin:
         log.warning("pin_memory=True but no accelerator is available here; tensors are not pinned "
                     "(values are unchanged).")

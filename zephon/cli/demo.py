@@ -18,6 +18,7 @@ from zephon.checkpoint import load_state, save_state
 from zephon.exec.loader import Loader, merge_states
 from zephon.fingerprints import first_mismatch, run_fingerprints
 from zephon.ops import Filter, Operator
+from zephon.pipeline import How, Pipeline, Where
 from zephon.plan import Batching, Source
 from zephon.sources import ArrayRecordSource, FixedFields, write_sharded_array_record
 
@@ -42,7 +43,8 @@ class Run:
 
 def _loaders(plan: Batching, src: Any, world: int, transforms: Sequence[Operator],
              **options: Any) -> list[Loader]:
-    return [Loader(plan, src, transforms, rank=r, world=world, **options) for r in range(world)]
+    pipe = Pipeline(plan, src, tuple(transforms))
+    return [Loader(pipe, Where(rank=r, world=world), How(**options)) for r in range(world)]
 
 
 def resumed_run(plan: Batching, src: Any, steps: int, stop: int, world_before: int,
@@ -133,8 +135,8 @@ def lm_demo(tmp: str, steps: int) -> bool:
                 Source(len(code), id=1, name="code").shuffle(2).repeat()], [0.7, 0.3],
                by="tokens", schedule=((change, (0.3, 0.7)),)).lanes(8).batch(16)
     ops = (Tokenize(tok, eos=EOS_ID), Pack(256, "concat"))
-    first = next(Loader(plan, srcs, ops))
-    pad = float((first.data["segment_ids"] == 0).mean())
+    first = next(Loader(Pipeline(plan, srcs, ops)))
+    pad = float((first["segment_ids"] == 0).mean())
     assert first.segments is not None  # packed rows carry their document pieces
     print(f"\nLM pretraining: 2 JSONL corpora mixed 0.7/0.3 by tokens in every lane (0.3/0.7 from "
           f"step {change}), BPE tokenized online, packed to 16 x 256 (padding {pad:.1%}); row 0 "
@@ -143,7 +145,7 @@ def lm_demo(tmp: str, steps: int) -> bool:
     return print_table("3) tokenize + token-weighted mix with a curriculum + concat packing",
                        matrix(plan, srcs, steps, ops, tmp, extra=[(
                            "D=1, Tokenize pre-token cache off",
-                           lambda: run_fingerprints([Loader(plan, srcs, plain)], steps))]))
+                           lambda: run_fingerprints([Loader(Pipeline(plan, srcs, plain))], steps))]))
 
 
 

@@ -4,10 +4,13 @@ What `Loader` yields. Its rows are the owned lanes' rows in lane order; `explain
 row's record (or, for packed rows, its document pieces); `micro_batches(n)` cuts the rows into `n`
 equal consecutive blocks for gradient accumulation. The micro-batch count check lives here, in
 the core, so every emitter (numpy, JAX, torch) refuses a count with the same message.
+
+Terms (docs/glossary.md): local batch, micro-batch, batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,6 +39,12 @@ class LocalBatch:
     accumulator built, lists per row its pieces as (source, record, epoch, start, stop).
     `micro` is `(i, n)` when this is micro-batch `i` of `n` of the step (see `micro_batches`):
     it then holds the `i`-th of `n` equal consecutive blocks of the owned rows.
+
+    It reads like a mapping of its `data`, as every emitter's batch does (`JaxBatch`,
+    `TorchBatch` and the Grain-compatible loader's are dicts): `batch["tokens"]`, `"tokens" in
+    batch`, `batch.keys()`, `batch.items()`, `batch.get(name)`, `dict(batch)`, and iterating
+    gives the field names. It has no `len()` (a field count would read as a row count: see
+    `rows`), so a batch is always truthy.
     """
 
     step: int
@@ -46,6 +55,32 @@ class LocalBatch:
     refs: Refs | None = None
     segments: list[list[tuple[int, int, int, int, int]]] | None = None
     micro: tuple[int, int] = (0, 1)
+
+    # --- a read-only mapping of `data` ---------------------------------------------------------
+    def __getitem__(self, name: str) -> np.ndarray:
+        try:
+            return self.data[name]
+        except KeyError:
+            raise KeyError(f"this batch has no field {name!r}; its fields are {sorted(self.data)}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.data
+
+    def __iter__(self) -> Iterator[str]:
+        """The field names, as iterating a dict gives its keys."""
+        return iter(self.data)
+
+    def keys(self) -> KeysView[str]:
+        return self.data.keys()
+
+    def values(self) -> ValuesView[np.ndarray]:
+        return self.data.values()
+
+    def items(self) -> ItemsView[str, np.ndarray]:
+        return self.data.items()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.data.get(name, default)
 
     @property
     def rows(self) -> int:

@@ -21,31 +21,27 @@ Dropping, the count goes on past the end to the lanes' last rows: what the end l
 than one global batch — PyTorch's `drop_last` never drops more, and with packing or filters a
 "drop" end can lose whole lanes' tails. That is why `remainder="auto"` (the default) pads these
 plans.
+
+Terms (docs/glossary.md): remainder.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from zephon.errors import PlanError
-from zephon.exec.lanes import LaneEngine
+from zephon.exec.lanes import LaneEngine, LaneRun
 from zephon.exec.padding import Schema, blank_rows, schema_of
-from zephon.exec.pipeline import LanePipeline
 from zephon.exec.state import LaneState
-from zephon.exec.steps import StepTask
 from zephon.exec.windows import take_rows
 from zephon.plan import Batching, Mix, Refs
-from zephon.sources.base import Columns, RecordSource
+from zephon.sources.base import Columns
 from zephon.telemetry import TOKEN_FIELDS, count_tokens
-
-if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
-    from zephon.runners.base import Runner
 
 #: `all_gather([a, b, ...])` -> every rank's list, in rank order (like `dist.all_gather_object`).
 AllGather = Callable[[list[int]], Sequence[Sequence[int]]]
@@ -185,137 +181,153 @@ def unemitted_at(local: LocalEnd, step: int, end: int, epoch: int, batch_rows: i
     return Unemitted(epoch, r, t, tr, tt, batch_rows, undealt)
 
 
-class FiniteEnd:
-    """Mixed into `Loader`: the steps of a count-changing pipeline up to the plan's end, padding
-    where lanes ran out; `end_step()`, `len()` and `set_epoch()`."""
+def lanes_finite(plan: Batching, owned: np.ndarray, branches: int) -> bool:
+    """Whether the lanes `owned` of a count-changing plan end (a mix: when its `stop` rule ends)."""
+    limits = [plan.lanes.lane_limits(owned, b, plan.pad) for b in range(branches)]
+    mix = plan.lanes.child
+    if branches > 1 and isinstance(mix, Mix):
+        used = [lim for lim, w in zip(limits, mix.normalized) if w > 0]
+        return all(x is not None for x in used) if mix.stop == "all" else any(x is not None for x in used)
+    return limits[0] is not None
 
-    plan: Batching
-    sources: Mapping[int, RecordSource]
-    stages: LanePipeline
-    owned: np.ndarray
-    seed: int
-    runner: Runner | None
-    read_ahead: int
-    random_access: bool
-    branches: int
-    all_gather: AllGather | None
-    epoch: int
-    _ends: dict[int, int | None]
-    _schema: Schema | None
-    _done: bool
-    _exhausted: bool
-    _engine: LaneEngine | None
-    _lane_states: list[LaneState]
-    _everyone: tuple[int, list[LaneState]] | None
-    _step: int
-    _task: StepTask
-    _tel: Any
-    unemitted: Unemitted | None
-    _unemitted_said: bool
-    _seen: list[int]  # valid rows and tokens emitted since the lane engine started (lazy drop)
+
+class End:
+    """The end of a finite count-changing plan for one loader's lanes: the step it comes at in
+    each epoch (counted, and agreed with the other ranks), the padding once this loader's lanes
+    ran out, and what a dropping end leaves unemitted (see the module doc).
+
+    Args:
+      lanes: what runs in the loader's lanes (`LaneRun`): the counting runs it again.
+      all_gather: how ranks exchange their counts (None: this loader counts every lane).
+      epoch, known: the end step of pass `epoch` if the caller knows it already (a DataLoader's
+        workers are told it), else None.
+      report: called with what the end leaves unemitted once it is known (telemetry).
+    """
+
+    def __init__(self, lanes: LaneRun, all_gather: AllGather | None, epoch: int, known: int | None,
+                 report: Callable[[Unemitted], None] | None = None) -> None:
+        self.lanes = lanes
+        self.all_gather = all_gather
+        self.report = report
+        #: the end step of every epoch counted (or told) so far; None: that epoch never ends
+        self.ends: dict[int, int | None] = {} if known is None else {epoch: int(known)}
+        #: what a valid row looks like (padding rows copy it), once a row was seen
+        self.schema: Schema | None = None
+        #: the plan ended here (no more batches until set_epoch or a restore)
+        self.done = False
+        #: every owned lane ran out: the steps left to the end are padding
+        self.exhausted = False
+        #: every lane's states at a step, from a merged state restored here (for counting the end)
+        self.everyone: tuple[int, list[LaneState]] | None = None
+        #: valid rows and tokens emitted since the lane engine started (dropping, end not counted)
+        self.seen = [0, 0]
+        #: what the plan's end leaves unemitted in an epoch (`remainder="drop"`), once known
+        self.unemitted: Unemitted | None = None
+        self._said = False  # the warning about `unemitted` was logged
 
     @property
-    def num_steps(self) -> int | None:
-        raise NotImplementedError  # the loader's
+    def finite(self) -> bool:
+        """Whether the plan ends for these lanes (and so has epochs and a length)."""
+        return lanes_finite(self.lanes.plan, self.lanes.owned, self.lanes.branches)
 
-    def _start_states(self, lanes: np.ndarray | None = None) -> list[LaneState]:
-        raise NotImplementedError  # the loader's
+    def restart(self) -> None:
+        """The loader moved (a seek, a restore, a new epoch): nothing has ended or been seen."""
+        self.done = self.exhausted = False
+        self.everyone = None
+        self.seen = [0, 0]
 
-    def _stop_pending(self) -> None:
-        raise NotImplementedError  # the loader's
+    def forget(self) -> None:
+        """Forgets every end counted (the lanes went on under other batch sizes)."""
+        self.ends.clear()
 
-    def _engine_step(self, sink: Any = None) -> tuple[Columns, Any, np.ndarray]:
-        """The next step of a count-changing pipeline: the lanes' rows, padded where a lane ran
-        out, or only padding once all owned lanes ran out and other ranks' lanes have not."""
-        end = self.end_step() if self._agrees() else self._ends.get(self.epoch)
-        if self._done or (end is not None and self._step >= end):
-            raise StopIteration
-        if self._exhausted:
-            return self._blank_step()
-        if self._engine is None:
-            self._engine = LaneEngine(self.plan, self.sources, self.stages, self.owned, self.seed, self.runner,
-                                      self.read_ahead, self._lane_states, self._step, self.epoch)
-            self._engine.sink = sink
-        mark = self._engine.mark() if end is None and not self.plan.pad else None
-        try:
-            cols, prov, valid = self._engine.next()
-        except StopIteration:
-            self._stop_pending()
-            self._exhausted = True
-            if end is None:  # every lane of the plan ran out here: the plan ends
-                self._done = True
-                raise
-            return self._blank_step()
-        except BaseException:
-            self._stop_pending()  # state stays after the last yielded batch
-            raise
-        if not self.plan.pad and not valid.all():
-            # dropping, the first step a lane cannot fill is past the end: back to before it
-            if end is None:  # not counted ahead: what is left is counted now (the rest only)
-                self._count_rest(cols, valid)
-            self._stop_pending()
-            if mark is not None:
-                self._lane_states = LaneEngine.states_at(mark)
-            self._done = True
-            raise StopIteration
-        if self._schema is None:
-            self._schema = schema_of(take_rows(cols, valid.nonzero()[0]))
-        if mark is not None:  # dropping, end not counted: what was emitted, for the share lost
-            self._seen[0] += len(valid)
-            self._seen[1] += valid_tokens(cols, valid)
-        return cols, prov, valid
+    def agrees(self, epoch: int) -> bool:
+        """Whether this loader must learn the end of `epoch` from other lanes than its own
+        before it comes."""
+        plan = self.lanes.plan
+        return len(self.lanes.owned) < plan.lanes.count and epoch not in self.ends and self.finite
 
-    def _count_rest(self, cols: Columns, valid: np.ndarray) -> None:
+    def count(self, step: int, epoch: int, states: list[LaneState]) -> int | None:
+        """The step the plan ends at in `epoch`, counting the first time (`states`: the owned
+        lanes' states at `step`, where this loader is). Every rank must call it."""
+        if epoch in self.ends:
+            return self.ends[epoch]
+        if not self.finite:
+            self.ends[epoch] = None
+            return None
+        run = self.lanes
+        plan = run.plan
+        everything = len(run.owned) == plan.lanes.count
+        if self.all_gather is not None or everything:  # this loader's lanes from where they are
+            lanes = run.owned
+        else:  # every lane of the plan: from a merged state restored here, else from the start
+            lanes = np.arange(plan.lanes.count, dtype=np.int64)
+            step, states = self.everyone or (0, run.start_states(lanes))
+        local = count_end(run.engine(lanes, states, step, epoch), step, plan.pad)
+        self.schema = self.schema or local.schema
+        gather = None if everything else self.all_gather  # all lanes counted: no one to ask
+        end = agree(local, gather, plan.pad)
+        self.ends[epoch] = end
+        if not plan.pad:  # what the end leaves: said before the first step
+            self.found(unemitted_at(local, step, end, epoch, plan.size_at(end), gather, self.undealt()))
+        return end
+
+    def seen_rows(self, cols: Columns, valid: np.ndarray) -> None:
+        """Counts an emitted step's valid rows and tokens (dropping, the end not counted ahead)."""
+        self.seen[0] += len(valid)
+        self.seen[1] += valid_tokens(cols, valid)
+
+    def count_rest(self, engine: LaneEngine, cols: Columns, valid: np.ndarray, step: int, epoch: int) -> None:
         """At the first step a lane cannot fill (dropping, the end not counted ahead: this loader
         owns every lane): the rows and tokens of it and every step the lanes still hold."""
         rows, tokens = int(np.count_nonzero(valid)), valid_tokens(cols, valid)
-        assert self._engine is not None
         while True:
             try:
-                cols, _, valid = self._engine.next()
+                cols, _, valid = engine.next()
             except StopIteration:
                 break
             rows += int(np.count_nonzero(valid))
             tokens += valid_tokens(cols, valid)
-        self._found_unemitted(Unemitted(self.epoch, rows, tokens, rows + self._seen[0], tokens + self._seen[1],
-                                        self.plan.size_at(self._step), self._undealt()))
+        self.found(Unemitted(epoch, rows, tokens, rows + self.seen[0], tokens + self.seen[1],
+                             self.lanes.plan.size_at(step), self.undealt()))
 
-    def _undealt(self) -> int:
+    def undealt(self) -> int:
         """Inputs a dropping plan deals to no lane (the last `n % lanes` of each finite branch)."""
-        every = np.arange(self.plan.lanes.count, dtype=np.int64)
+        plan = self.lanes.plan
+        every = np.arange(plan.lanes.count, dtype=np.int64)
         out = 0
-        for b in range(self.branches):
-            dealt = self.plan.lanes.lane_limits(every, b, pad=True)
-            kept = self.plan.lanes.lane_limits(every, b, pad=False)
+        for b in range(self.lanes.branches):
+            dealt = plan.lanes.lane_limits(every, b, pad=True)
+            kept = plan.lanes.lane_limits(every, b, pad=False)
             if dealt is not None and kept is not None:
                 out += max(0, int(dealt.sum()) - int(kept.sum()))
         return out
 
-    def _found_unemitted(self, found: Unemitted) -> None:
+    def found(self, found: Unemitted) -> None:
         """Keeps what the end leaves unemitted (`unemitted`, `stats().unemitted`); says it once
         when it is more than one global batch (PyTorch's `drop_last` drops less)."""
         self.unemitted = found
-        if self._tel is not None:
-            self._tel.unemitted = found
-        if found.more_than_a_batch and not self._unemitted_said:
-            self._unemitted_said = True
+        if self.report is not None:
+            self.report(found)
+        if found.more_than_a_batch and not self._said:
+            self._said = True
             log.warning("%s", found.message())
 
-    def _blank_step(self) -> tuple[Columns, Any, np.ndarray]:
+    def blank(self, step: int, epoch: int) -> tuple[Columns, Any, np.ndarray]:
         """A step of padding only (this rank's lanes ran out; another rank's have not)."""
-        rows = len(self.owned) * self.plan.per_lane_at(self._step)
-        schema = self._schema or self._probe_schema()
-        prov: Any = ([[] for _ in range(rows)] if self.stages.acc is not None
+        run = self.lanes
+        rows = len(run.owned) * run.plan.per_lane_at(step)
+        schema = self.schema or self._probe_schema(epoch)
+        prov: Any = ([[] for _ in range(rows)] if run.stages.acc is not None
                      else Refs(np.full(rows, -1, np.int64), np.full(rows, -1, np.int64),
                                np.full(rows, -1, np.int64)))
         return blank_rows(schema, rows), prov, np.zeros(rows, bool)
 
-    def _probe_schema(self) -> Schema:
+    def _probe_schema(self, epoch: int) -> Schema:
         """What a row looks like, from the first lane of the plan that has one."""
-        for lane in range(self.plan.lanes.count):
+        run = self.lanes
+        for lane in range(run.plan.lanes.count):
             owned = np.array([lane], np.int64)
-            engine = LaneEngine(self.plan, self.sources, self.stages, owned, self.seed, None,
-                                self.plan.per_lane_at(0), self._start_states(owned), 0, self.epoch)
+            engine = run.engine(owned, run.start_states(owned), 0, epoch, read_ahead=run.plan.per_lane_at(0))
             try:
                 cols, _, valid = engine.next()
             except StopIteration:
@@ -324,100 +336,11 @@ class FiniteEnd:
                 engine.close()
             schema = schema_of(take_rows(cols, valid.nonzero()[0]))
             if schema is not None:
-                self._schema = schema
+                self.schema = schema
                 return schema
         raise PlanError("no lane of this finite plan has a single output row, so there is nothing "
                         "to pad with; check the filter (it rejects every record).")
 
-    # --- the end of a finite plan --------------------------------------------------------------
-    @property
-    def finite(self) -> bool:
-        """Whether the plan ends (and so has epochs and a length)."""
-        if self.random_access:
-            return self.num_steps is not None
-        limits = [self.plan.lanes.lane_limits(self.owned, b, self.plan.pad) for b in range(self.branches)]
-        mix = self.plan.lanes.child
-        if self.branches > 1 and isinstance(mix, Mix):
-            used = [lim for lim, w in zip(limits, mix.normalized) if w > 0]
-            return all(x is not None for x in used) if mix.stop == "all" else any(x is not None for x in used)
-        return limits[0] is not None
 
-    def _agrees(self) -> bool:
-        """Whether this loader must learn the end from other lanes than its own before it comes."""
-        return (not self.random_access and len(self.owned) < self.plan.lanes.count
-                and self.epoch not in self._ends and self.finite)
-
-    def settle_end(self) -> None:
-        """Learns the plan's end now if this loader must hear it from other ranks (a finite
-        count-changing plan at world > 1): the emitters call it on every rank, from the thread
-        that runs collectives, when an epoch starts or a state is restored. No-op otherwise."""
-        if self._agrees():
-            self.end_step()
-
-    def end_if_known(self) -> int | None:
-        """The plan's end in this epoch if known without counting (else None)."""
-        return self.num_steps if self.random_access else self._ends.get(self.epoch)
-
-    def end_step(self) -> int | None:
-        """The step this finite plan ends at in this epoch (its number of global batches), the
-        same on every rank; None if it repeats forever. For a pipeline that changes the number
-        of records the first call counts (see `zephon.exec.end`): every rank must call it (the
-        emitters do, when they start an epoch)."""
-        if self.random_access:
-            return self.num_steps
-        if self.epoch in self._ends:
-            return self._ends[self.epoch]
-        if not self.finite:
-            self._ends[self.epoch] = None
-            return None
-        everything = len(self.owned) == self.plan.lanes.count
-        if self.all_gather is not None or everything:  # this loader's lanes from where they are
-            lanes = self.owned
-            states = self._engine.states if self._engine is not None else self._lane_states
-            step = self._step
-        else:  # every lane of the plan: from a merged state restored here, else from the start
-            lanes = np.arange(self.plan.lanes.count, dtype=np.int64)
-            step, states = self._everyone or (0, self._start_states(lanes))
-        engine = LaneEngine(self.plan, self.sources, self.stages, lanes, self.seed, None, self.read_ahead,
-                            states, step, self.epoch)
-        local = count_end(engine, step, self.plan.pad)
-        self._schema = self._schema or local.schema
-        gather = None if everything else self.all_gather  # all lanes counted: no one to ask
-        end = agree(local, gather, self.plan.pad)
-        self._ends[self.epoch] = end
-        if not self.plan.pad:  # what the end leaves: said before the first step
-            self._found_unemitted(unemitted_at(local, step, end, self.epoch, self.plan.size_at(end), gather,
-                                                self._undealt()))
-        return end
-
-    def __len__(self) -> int:
-        """Global batches left in this epoch of a finite plan (TypeError if it repeats forever).
-
-        With `remainder="drop"` and a pipeline that changes the number of records, the count
-        also finds what the end leaves unemitted: `loader.unemitted` (and `stats().unemitted`),
-        logged as a warning when it is more than one global batch. "pad" leaves nothing."""
-        end = self.end_step()
-        if end is None:
-            raise TypeError("this Zephon loader has no length: its plan repeats forever "
-                            "(build it without .repeat() or with .repeat(count)).")
-        return max(0, end - self._step)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Goes to step 0 of pass `epoch` over a finite plan (the order `repeat()` gives it)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise PlanError(f"epoch must be a non-negative integer, got {epoch!r}")
-        if not self.finite:
-            raise PlanError("set_epoch() needs a finite plan; this one repeats forever, and its epochs "
-                            "are inside it (Repeat re-shuffles each pass).")
-        self._stop_pending()
-        self.epoch = int(epoch)
-        self._task = dataclasses.replace(self._task, epoch=self.epoch)
-        self._step = 0
-        self._done = self._exhausted = False
-        self._everyone = None
-        self._seen = [0, 0]
-        if not self.random_access:
-            self._lane_states = self._start_states()
-
-
-__all__ = ["AllGather", "FiniteEnd", "LocalEnd", "Unemitted", "agree", "count_end", "unemitted_at", "valid_tokens"]
+__all__ = ["AllGather", "End", "LocalEnd", "Unemitted", "agree", "count_end", "lanes_finite", "unemitted_at",
+           "valid_tokens"]

@@ -14,6 +14,8 @@ window's worth (or within one window of the least supplied lane, when the runner
 which the engine is waiting for. Per lane, what is buffered stays bounded by
 a few windows, however far the lanes drift. Which window holds which input changes speed only:
 every lane still receives its inputs in order, each once, so the data emitted cannot change.
+
+Terms (docs/glossary.md): feed, window.
 """
 
 from __future__ import annotations

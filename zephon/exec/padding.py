@@ -4,6 +4,8 @@ A padding row has every field zero (an empty value in a ragged object column) an
 False; a packed padding row therefore also has `segment_ids` 0 and `loss_mask` 0. Its shape and
 dtype come from a real row (`Schema`), so a step of padding looks like any other step and
 every emitter (numpy, JAX, torch) turns it into the same arrays.
+
+Terms (docs/glossary.md): remainder.
 """
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ assemble a step lane by lane: a lane's next inputs follow the mix schedule, go t
 accumulator, and its `B/L` outputs are the lane's rows of the step. A lane whose inputs ran out
 (and whose accumulator has emitted what it held) fills the rest of its rows with padding rows
 (`zephon.exec.padding`), marked invalid; the step ends the stream only when every lane ran out.
-The window plumbing (`_peek`, `_use`, `_pull`) and the state live in `zephon.exec.lanes`.
+The window plumbing (`WindowStream.peek`, `use`, `arrived`) lives in `zephon.exec.lanes`, the
+lock-step case (no mix, no accumulator) in `zephon.exec.lockstep`. Terms: docs/glossary.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,64 +25,71 @@ from zephon.exec.windows import Provenance, Window, concat_cols, take_rows
 from zephon.plan import Batching, Refs
 from zephon.sources.base import Columns
 
+if TYPE_CHECKING:  # annotation only: the stream is the engine's (zephon.exec.lanes imports this)
+    from zephon.exec.lanes import WindowStream
+
 Segment = tuple[int, int, int, int, int]  # (source, record, epoch, token start, token stop)
 
 
 class PerLaneAssembly:
-    """Mixed into `LaneEngine`: the per-lane assembly of one step (see the module doc)."""
+    """Assembles each step lane by lane from `windows`, through the mix schedule and the
+    accumulator (see the module doc).
 
-    pipeline: LanePipeline
-    schedule: TokenSchedule | None
-    owned: np.ndarray
-    plan: Batching
-    nb: int
-    step: int
-    _skip_applied: bool
-    _states: list[LaneState]
-    _held: list[tuple[Columns, list[Provenance]]]
+    Args:
+      schedule: the token-mix schedule (None: no mix by tokens).
+      states: the owned lanes' states at `step`.
+      held: per owned lane, the inputs the accumulator holds (columns and provenance), re-read
+        from the states (`rematerialize`); empty without an accumulator.
+    """
 
-    @property
-    def states(self) -> list[LaneState]:
-        raise NotImplementedError  # the engine's
+    def __init__(self, plan: Batching, pipeline: LanePipeline, schedule: TokenSchedule | None, owned: np.ndarray,
+                 windows: WindowStream, states: list[LaneState], step: int,
+                 held: list[tuple[Columns, list[Provenance]]]) -> None:
+        self.plan, self.pipeline, self.schedule, self.owned = plan, pipeline, schedule, owned
+        self.windows = windows
+        self.branches = windows.branches
+        #: the owned lanes' states after the last step
+        self.states = states
+        #: the step assembled next
+        self.step = step
+        #: per owned lane, the inputs the accumulator holds: their columns and provenance
+        self.held = held
+        #: restored lanes' already-used outputs of their first input were dropped
+        self.skip_applied = False
 
-    def _peek(self, b: int, k: int, count: int) -> list[tuple[Window, int]]:
-        raise NotImplementedError  # the engine's
-
-    def _use(self, b: int, k: int, count: int) -> None:
-        raise NotImplementedError  # the engine's
-
-    def _arrived(self, b: int, k: int, least: int, most: int) -> tuple[list[tuple[Window, int]], bool]:
-        raise NotImplementedError  # the engine's
+    def mark(self) -> tuple[Any, ...]:
+        """The position now, for `LaneEngine.states_at`."""
+        return (self.states, None)
 
     def _first_skip(self, k: int) -> None:
         """A restored lane drops the outputs of its first input it had used already."""
         st = self.states[k]
-        for b in range(self.nb):
+        for b in range(self.branches):
             if st.skip[b]:
-                rows = self._peek(b, k, st.skip[b])
+                rows = self.windows.peek(b, k, st.skip[b])
                 drop = sum(1 for w, r in rows if w.index[r] == st.cursor[b] and w.sub[r] < st.skip[b])
-                self._use(b, k, drop)
+                self.windows.use(b, k, drop)
 
     def _candidates(self, k: int, count: int, mix: Sequence[int]
                     ) -> tuple[list[tuple[Window, int]], list[int]]:
         """The lane's next `count` inputs to the accumulator, following the mix schedule."""
         if self.schedule is None:
-            rows = self._peek(0, k, count)
+            rows = self.windows.peek(0, k, count)
             return rows, [0] * len(rows)
-        return self.schedule.candidates(lambda b, c: self._peek(b, k, c), count, mix, self.step)
+        return self.schedule.candidates(lambda b, c: self.windows.peek(b, k, c), count, mix, self.step)
 
     def _lane(self, k: int) -> tuple[Columns, int, list[list[Segment]], LaneState]:
         """Lane k's outputs of the step (up to `per`; fewer when its inputs ran out), their
         provenance and the lane's state after them."""
         per = self.plan.per_lane_at(self.step)
         acc = self.pipeline.acc
-        if not self._skip_applied:
+        if not self.skip_applied:
             self._first_skip(k)
         st = self.states[k]
         cursor, skip, mix = list(st.cursor), list(st.skip), list(st.mix)
         if self.schedule is not None and self.schedule.restarts(self.step):
             mix = [0] * len(mix)
-        held_cols, held_prov = self._held[k] if acc is not None else ({}, [])
+        held_cols, held_prov = self.held[k] if acc is not None else ({}, [])
         carry = st.carry
         got: list[Columns] = []
         prov: list[list[Segment]] = []
@@ -93,7 +101,7 @@ class PerLaneAssembly:
         least = 1
         while produced < per:
             if streams:
-                rows, ended = self._arrived(0, k, least, max(guess, least))
+                rows, ended = self.windows.arrived(0, k, least, max(guess, least))
                 branches = [0] * len(rows)
             else:
                 rows, branches = self._candidates(k, guess, mix)
@@ -130,7 +138,7 @@ class PerLaneAssembly:
                 carry = res.carry
                 segs = [[(all_prov[i][3], all_prov[i][4], all_prov[i][5], s0, s1) for i, s0, s1 in row]
                         for row in (res.segments or [[] for _ in range(produced_now)])]
-            taken = [0] * self.nb
+            taken = [0] * self.branches
             for (w, r), b in zip(rows[:used], branches[:used]):
                 cursor[b], skip[b] = int(w.index[r]), int(w.sub[r]) + 1
                 if self.schedule is not None:
@@ -138,7 +146,7 @@ class PerLaneAssembly:
                 taken[b] += 1
             for b, t in enumerate(taken):
                 if t:
-                    self._use(b, k, t)
+                    self.windows.use(b, k, t)
             if produced_now:
                 got.append(outs)
                 prov += segs
@@ -151,20 +159,20 @@ class PerLaneAssembly:
                 else:
                     guess *= 2
         if acc is not None:
-            self._held[k] = (held_cols, held_prov)
+            self.held[k] = (held_cols, held_prov)
         cur, skp = canonical(np.array(cursor, np.int64), np.array(skip, np.int64), self.pipeline.expands)
         state = LaneState(tuple(int(c) for c in cur), tuple(int(x) for x in skp), tuple(mix),
                           tuple((p[0], p[1], p[2]) for p in held_prov), carry)
         return concat_cols(got), produced, prov, state
 
-    def _general_step(self) -> tuple[Columns, Any, np.ndarray]:
+    def next(self) -> tuple[Columns, Any, np.ndarray]:
         """The owned rows of the next step, their provenance and validity; StopIteration when
         every owned lane ran out (nothing valid is left)."""
         per = self.plan.per_lane_at(self.step)
-        held_before = list(self._held)
+        held_before = list(self.held)
         lanes = [self._lane(k) for k in range(len(self.owned))]
         if not any(n for _, n, _, _ in lanes):
-            self._held = held_before
+            self.held = held_before
             raise StopIteration
         schema = next(schema_of(c) for c, n, _, _ in lanes if n)
         assert schema is not None
@@ -175,8 +183,8 @@ class PerLaneAssembly:
             parts.append(cols if n == per else concat_cols([cols, blank_rows(schema, per - n)]))
             provenance += prov + [[] for _ in range(per - n)]
             valid[k * per:k * per + n] = True
-        self._skip_applied = True
-        self._states = [st for _, _, _, st in lanes]
+        self.skip_applied = True
+        self.states = [st for _, _, _, st in lanes]
         self.step += 1
         if self.pipeline.acc is None:  # whole records (a mix without packing): plain refs
             refs = np.array([row[0][:3] if row else (-1, -1, -1) for row in provenance], np.int64).reshape(-1, 3)

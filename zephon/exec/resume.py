@@ -1,15 +1,16 @@
-"""Mixed into `Loader`: continuing from a saved state or a position.
+"""Continuing from a saved state or a position: what is checked before any lane moves.
 
 A restore is where a checkpoint from another plan, pipeline, seed, rank or batch size would
 silently resume another stream, so every field is checked against this loader before any lane
-moves, and each refusal names what differs and what to do. Kept apart from the loader's
-iteration so each reads on its own.
+moves, and each refusal names what differs and what to do. `Resume` checks and parses; the
+`Engine` that holds it applies what it returns (`Position`), so each reads on its own.
+Terms: docs/glossary.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,44 +20,50 @@ from zephon.exec.pipeline import LanePipeline
 from zephon.exec.resize import batch_change, lane_shift_of
 from zephon.exec.schedule import check_counters
 from zephon.exec.state import LaneState, check_state
-from zephon.exec.steps import StepTask
 from zephon.ops.base import identity_diff
 from zephon.plan import Batching, Mix, plan_diff
 
 
-class Resumable:
-    """`restore()` and `seek_position()` of `Loader`."""
+@dataclass(frozen=True)
+class Position:
+    """A parsed, checked position: where the loader goes."""
+
+    step: int
+    epoch: int
+    #: lane positions relative to the plan's (a run resumed at another batch size)
+    shift: int
+    #: the owned lanes' states at `step`
+    lanes: list[LaneState]
+    #: every lane's states (a merged state restored by a loader owning fewer lanes): the end of
+    #: a finite count-changing plan is counted from them
+    everyone: list[LaneState] | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Resume:
+    """Checks states and positions against one loader's run: its plan, its lanes (`owned` of
+    rank `rank` of `world`), its source branches and lane pipeline, and which core it runs."""
 
     plan: Batching
     owned: np.ndarray
     rank: int
     world: int
     branches: int
-    token_mix: bool
     stages: LanePipeline
     random_access: bool
-    _ends: dict[int, int | None]
-    _shift: int
-    _task: StepTask
-    _lane_states: list[LaneState]
-    _everyone: tuple[int, list[LaneState]] | None
 
-    def identity(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @property
+    def token_mix(self) -> bool:
+        return self.branches > 1
 
-    def _moved(self, step: int, epoch: int) -> None:
-        raise NotImplementedError
-
-    def restore(self, state: Mapping[str, Any], *, allow_batch_change: bool = False) -> None:
-        """Continues from `state` (saved at any data-parallel degree of the same plan).
-
-        A state saved under another global batch size (or schedule) of the same plan is
-        refused, naming both, unless `allow_batch_change=True`: then every lane continues
-        exactly where it stopped — no record skipped or repeated — and the batches from the
-        saved step on are this plan's sizes (`zephon.plan.batchsizes`).
-        """
+    def check(self, state: Mapping[str, Any], mine: Mapping[str, Any], *, allow_batch_change: bool = False
+              ) -> int | None:
+        """Refuses `state` unless it was saved by this loader's plan, seed and pipeline (`mine`:
+        the loader's `identity()`), naming what differs. A state saved under another global batch
+        size (or schedule) of the same plan is refused too, naming both, unless
+        `allow_batch_change=True`: then the lane shift that keeps every lane where it stopped is
+        returned (the batches from the saved step on are this plan's sizes); else None."""
         check_state(state)
-        mine = self.identity()
         old = None
         if state.get("plan_fingerprint") != mine["plan_fingerprint"]:
             old = batch_change(state.get("plan"), self.plan, allow_batch_change)
@@ -75,19 +82,16 @@ class Resumable:
             raise StateError("this checkpoint was written by a different pipeline: "
                              f"{'; '.join(diffs[:5])}. Resume with the operators that wrote it (same "
                              "name, version and config), or start from step 0.")
-        shift = None
-        if old is not None:  # the lanes stay where they are; this plan's steps start there
-            step = state["step"]
-            shift = old.lane_offset(step) + lane_shift_of(state) - self.plan.lane_offset(step)
-        if old is not None:
-            self._ends.clear()  # lanes went on under other batch sizes: their end is counted anew
-        self.seek_position(state, lane_shift=shift)
+        if old is None:
+            return None
+        # the lanes stay where they are; this plan's steps start there
+        step = state["step"]
+        return int(old.lane_offset(step) + lane_shift_of(state) - self.plan.lane_offset(step))
 
-    def seek_position(self, position: Mapping[str, Any], *, lane_shift: int | None = None) -> None:
-        """Continues from a `position()` (or state) of a loader of the same plan and pipeline
-        whose lanes include this one's, without the identity check of `restore` — for backends
-        that hand positions between their own workers in one job (pipelines with lambdas too).
-        `lane_shift` overrides the position's (a resume at another batch size)."""
+    def parse(self, position: Mapping[str, Any], *, lane_shift: int | None = None) -> Position:
+        """Parses and checks a `position()` (or state) of a loader of the same plan and pipeline
+        whose lanes include this one's (no identity check: see `check`). `lane_shift` overrides
+        the position's (a resume at another batch size)."""
         step = position.get("step") if isinstance(position, Mapping) else None
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateError(f"the state's step {step!r} is not a non-negative integer")
@@ -141,14 +145,11 @@ class Resumable:
                     raise StateError(f"lane {int(l)} of the state is at input {st.cursor[0]}, but step "
                                      f"{step} of this one-to-one pipeline puts every lane at "
                                      f"{at}; the state was edited.")
-            if shift != self._shift:
-                self._shift = shift
-                self._task = dataclasses.replace(self._task, shift=shift)
-            self._moved(step, epoch)
-            return
-        self._moved(step, epoch)
-        self._shift = shift
-        self._lane_states = parsed
+            return Position(step, epoch, shift, parsed)
+        everyone = None
         if len(lanes) == count and len(self.owned) < count:  # a merged state: where every lane is
-            self._everyone = (step, [parse(l) for l in range(count)])
+            everyone = [parse(l) for l in range(count)]
+        return Position(step, epoch, shift, parsed, everyone)
 
+
+__all__ = ["Position", "Resume"]

@@ -9,6 +9,8 @@ rather than of how the engine fetches windows.
 A weight schedule (`Mix(schedule=...)`, a curriculum) changes the weights at given steps; at each
 such step the lane's counters start from zero, so the lane follows the new weights from there as
 closely as from step 0. The counters in a checkpoint are therefore those since the last change.
+
+Terms (docs/glossary.md): branch, lane.
 """
 
 from __future__ import annotations

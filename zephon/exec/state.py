@@ -3,6 +3,8 @@
 Per branch (a token mix reads each source's lane stream separately) the next input and how many
 of its outputs were already used; the mix's token counters; the inputs an accumulator still holds,
 named by position (`[branch, input, output]`), and its JSON carry. Never data, never pickles.
+
+Terms (docs/glossary.md): cursor, held, carry, state.
 """
 
 from __future__ import annotations

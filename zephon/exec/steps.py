@@ -5,6 +5,8 @@ When no operator changes the number of records, lane `l`'s position after step `
 special case of the lane engine (`zephon.exec.lanes`). A `StepTask` is a pure, picklable
 function of a group of consecutive steps; runners map it over groups, and each step's rows are
 zero-copy views of one bulk read.
+
+Terms (docs/glossary.md): one-to-one, read-ahead, step.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ vectorised read per source and put through the row operators. Row operators carr
 window is a pure function of `(branch, w)`: any runner computes windows ahead, in any thread or
 process, and the result cannot depend on which. Window lengths double from a small first one, so
 the first batch comes quickly and later reads are large; where windows fall changes speed only.
+
+Terms (docs/glossary.md): window, branch, cursor.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import Any
 from zephon.errors import PlanError
 from zephon.ops.pack import Pack
 from zephon.ops.tokenize import Tokenize
+from zephon.pipeline import Pipeline
 from zephon.plan import Batching, Source
 from zephon.plan.mix import Mix
 from zephon.sources.base import RecordSource
@@ -30,8 +31,10 @@ class TextPipeline:
     transforms: list[Any]
     per_source: dict[int, list[Any]]
 
-    def loader_args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return (self.plan, self.sources, self.transforms), {"per_source": self.per_source}
+    def pipeline(self) -> Pipeline:
+        """The `zephon.Pipeline` every loader of it reads (seeded through the plan's shuffles)."""
+        return Pipeline(self.plan, self.sources, tuple(self.transforms),
+                        per_source={k: tuple(v) for k, v in self.per_source.items()})
 
 
 def open_text_source(path: str) -> RecordSource:

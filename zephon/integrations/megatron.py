@@ -37,6 +37,7 @@ from zephon.errors import PlanError
 from zephon.exec.loader import Loader
 from zephon.integrations._text import TextPipeline, text_pipeline
 from zephon.integrations.snapshots import StateSnapshots
+from zephon.pipeline import Where
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,7 @@ class ZephonGPTData:
         self.seq_len = int(seq_len)
 
     def loader(self, rank: int = 0, world: int = 1) -> Loader:
-        args, options = self.pipeline.loader_args()
-        return Loader(*args, rank=rank, world=world, **options)
+        return Loader(self.pipeline.pipeline(), Where(rank=rank, world=world))
 
     def iterator(self, consumed_samples: int, dp_rank: int, dp_size: int, *,
                  state_dir: str | os.PathLike[str] | None = None, save_every: int = 100) -> MegatronBatches:

@@ -34,6 +34,7 @@ from zephon.backends.torch.loader import TorchLoader
 from zephon.errors import PlanError, StateError
 from zephon.exec.state import merge_states
 from zephon.integrations._text import text_pipeline
+from zephon.pipeline import How, Where
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +143,12 @@ class ZephonDataLoader(BaseDataLoader):
                              tokenizer=encoder, bos=bos, eos=eos, seq_len=int(seq_len),
                              global_batch=self.global_batch_size, lanes=lanes, seed=config.seed,
                              infinite=config.infinite, pack_mode=config.pack_mode, tokenizer_name=name)
-        args, options = pipe.loader_args()
+        how = How()
         if config.threads > 0:
             from zephon.runners import threads
 
-            options["runner"] = threads(config.threads)
-        self.loader = TorchLoader(*args, rank=self.dp_rank, world=self.dp_world_size, **options)
+            how = How(runner=threads(config.threads))
+        self.loader = TorchLoader(pipe.pipeline(), Where(rank=self.dp_rank, world=self.dp_world_size), how)
         self._rows: dict[str, torch.Tensor] | None = None
         self._micro = 0           # micro-batches of the current step already yielded
         self._skip = 0            # after a mid-step restore: micro-batches to skip in the next step

@@ -17,6 +17,8 @@ Every operator has an identity — a name, a version you bump when its behaviour
 config — which a checkpoint records. A restore under a different identity is refused, naming the
 operator and the field. A lambda or local function has no stable name: it works, but `state()`
 refuses it with a message saying how to declare one (`Map(fn, name=..., version=...)`).
+
+Terms (docs/glossary.md): operator, row operator, one-to-one, accumulator, carry, held, demand.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 This is where lane positions become rows of a global batch (and, with a `remainder`, where a
 finite plan ends). "Batch" in Zephon means the emitted batch; this node is the rule that makes
 it, so it is called `Batching` (its kind in plan JSON stays "Batch": fingerprints never change).
+
+Terms (docs/glossary.md): `Batching`, global batch, step, remainder.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ one-to-one pipelines keep O(1) random access.
 A schedule by tokens (`(tokens_seen, B)`, packed rows of `seq_len` tokens) is converted to steps
 by `steps_from_tokens` with integer arithmetic: each size starts at the first step whose tokens
 seen before it reach the threshold.
+
+Terms (docs/glossary.md): global batch, step.
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ so a batch's rows come from at least `2·B` blocks), the stripes the lane count.
 is the record sources' natural unit (an ArrayRecord chunk group of about 256 KiB, a Parquet row
 group), resolved by the `Loader` from the sources it is given (`resolve_blocks`). The resolved
 numbers are in the plan's JSON and fingerprint.
+
+Terms (docs/glossary.md): window, lane, epoch.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Rank r of D owns a fixed set of lanes (`check_degree` says which D a plan allows
 (`zephon.plan.batching.Batching`, built by `.batch(B)`) lays `B / lanes` outputs of every lane
 side by side, so the global batch is the same for every D. A `Mix` directly under `lanes()` is
 applied inside every lane.
+
+Terms (docs/glossary.md): lane, lanes owned, branch, step.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ fractions, a few float operations a level; counts of any prefix are exact. Its o
 the routing (tree, `route`, `counts`, `length_for`) is the one piece of the algebra that is not a
 line or two of integer math; `zephon.plan` exports `Mix`. (Per-source *pipelines* of a mix are
 a lane operator: `zephon.ops.mix.PerSource`.)
+
+Terms (docs/glossary.md): branch, lane, epoch.
 """
 
 from __future__ import annotations

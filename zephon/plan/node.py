@@ -4,6 +4,8 @@ A plan is a tree of small frozen nodes (`zephon.plan`). Every node class registe
 explicit `kind` — its name in plan JSON — so `Node.from_json` can rebuild any plan and the fluent
 builders (`.shuffle()`, `.lanes()`, ...) can find the classes built on this module without
 importing them. `PassThrough` is the base of nodes that keep their child's length.
+
+Terms (docs/glossary.md): plan, node, fingerprint, position, epoch.
 """
 
 from __future__ import annotations

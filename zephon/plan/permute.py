@@ -6,6 +6,8 @@ smallest even number of bits that covers `n`, with cycle-walking back into [0, n
 pure 64-bit integer arithmetic (numpy wraps modulo 2**64 identically everywhere), a bijection by
 construction, and vectorised over arrays of positions. Each key (seed, epoch) gives an
 independent permutation, so every epoch is reshuffled without storing anything.
+
+Terms (docs/glossary.md): epoch.
 """
 
 from __future__ import annotations

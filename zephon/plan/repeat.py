@@ -1,4 +1,7 @@
-"""`Repeat`: passes over a finite stream, each pass a new epoch (shuffles below it re-keyed)."""
+"""`Repeat`: passes over a finite stream, each pass a new epoch (shuffles below it re-keyed).
+
+Terms (docs/glossary.md): epoch, position.
+"""
 
 from __future__ import annotations
 

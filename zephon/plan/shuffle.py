@@ -1,4 +1,7 @@
-"""`Shuffle`: a keyed Feistel bijection per epoch (`zephon.plan.permute`), exactly once per epoch."""
+"""`Shuffle`: a keyed Feistel bijection per epoch (`zephon.plan.permute`), exactly once per epoch.
+
+Terms (docs/glossary.md): position, epoch.
+"""
 
 from __future__ import annotations
 

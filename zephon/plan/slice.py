@@ -1,4 +1,7 @@
-"""`Slice`: positions start, start+step, ... < stop of a stream (`.take(n)`, `.skip(n)`)."""
+"""`Slice`: positions start, start+step, ... < stop of a stream (`.take(n)`, `.skip(n)`).
+
+Terms (docs/glossary.md): position.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""`Source`: the leaf of every plan, positions 0..size-1 of one record source."""
+"""`Source`: the leaf of every plan, positions 0..size-1 of one record source.
+
+Terms (docs/glossary.md): source, record, position.
+"""
 
 from __future__ import annotations
 

@@ -23,6 +23,8 @@ One concept a module:
   messages.py    what travels between them, one frozen dataclass a message
   transport.py   the shared-memory slots (memfd / unlinked POSIX segments, SCM_RIGHTS)
   errors.py      how worker failures become exceptions in the consumer (`RemoteTraceback`)
+
+Terms (docs/glossary.md): runner, worker.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ swapped for speed alone. The contract is small on purpose:
   (`getattr(results, "close", None)`), which cancels work still in flight.
 - `close()` on the runner releases what it holds (threads, processes, shared memory); the runner
   starts them again on its next `imap`.
+
+Terms (docs/glossary.md): runner, worker.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ several batches) in one `read` call, so a source can use its backend's bulk read
 parallel `read(indices)`, a Parquet row group, one `np.take`). Records come back *columnar*: a dict
 of arrays whose leading dimension is `len(indices)`, so batching is a no-op and transforms can be
 vectorised. Variable-length values (raw bytes, strings, ragged token lists) are object arrays.
+
+Terms (docs/glossary.md): source, record.
 """
 
 from __future__ import annotations

@@ -343,7 +343,7 @@ class JaxSession(_Session):
         import jax
         from jax.sharding import Mesh
 
-        from zephon.backends.jax import JaxLoader, _jax_dtype
+        from zephon.backends.jax import JaxLoader, jax_holds_dtype
 
         shape = tuple(seg.mesh or (8,))
         need = math.prod(shape)
@@ -355,7 +355,7 @@ class JaxSession(_Session):
         mesh = Mesh(np.array(jax.devices()[:need]).reshape(shape), names)
         self.seg, self.ref_dtypes = seg, dict(ref_dtypes)
         self.excluded = sorted(k for k, d in ref_dtypes.items()
-                               if d.kind in "OUS" or (d.kind == "V" and not _jax_dtype(d)))
+                               if d.kind in "OUS" or (d.kind == "V" and not jax_holds_dtype(d)))
         self.plan = pipe.plan
         self.loader = JaxLoader(pipe.plan, pipe.sources, tuple(pipe.transforms), mesh=mesh,
                                 batch_axes=names, exclude=self.excluded, runner=runner_from_spec(seg.runner),
