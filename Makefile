@@ -44,7 +44,7 @@ typecheck-tree:
 
 verify: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
-	$(VENV)/bin/zephon verify --steps 80 --report build/verify
+	$(VENV)/bin/zephon verify --steps 80 --cross-steps 10 --report build/verify
 
 bench: $(STAMP)
 	$(VENV)/bin/zephon bench

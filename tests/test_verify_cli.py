@@ -27,7 +27,7 @@ from zephon.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "verify_pipeline.py"
 QUICK = ["--backends", "numpy,grain", "--degrees", "1,2,4", "--runners", "threads:2", "--workers", "0",
-         "--micro", "2", "--processes", "0", "--steps", "8", "--no-progress"]
+         "--micro", "2", "--processes", "0", "--steps", "8", "--cross-steps", "0", "--no-progress"]
 
 
 def zephon_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -39,8 +39,16 @@ batch-size schedule runs like any other; `B=N` on a segment after a stop resumes
 batch size N (allow_batch_change): compared with numpy D=1 under the same changes, whose every
 lane must continue the reference's rows where it stopped.
 
+Then the cross-product, --cross-steps steps each (default 10; 0: none): every emitter x degree
+(JAX: mesh) under each runner, and every placement stopping at half the steps and resuming on
+other emitters and degrees, with micro-batches and batch-size changes. Configurations that stop
+alike share the steps before the stop; processes:N workers are started once and lent to each
+loader.
+
 Report: a table per pipeline, a summary line, and with --report PATH a JSON file and a PNG
-heat map (configurations x steps; red where a step differs).
+heat map (configurations x steps; red where a step differs). --baseline PATH.json compares
+every configuration also in a saved report step by step with its fingerprints (exit 1 naming
+the first configuration and step that differ): record one before a change, compare after it.
 
 examples:
   zephon verify                                         # the demo pipelines (make verify)
@@ -50,6 +58,8 @@ examples:
   zephon verify my_project.data:pipeline --only --config "numpy D=2 @10 -> jax mesh=2x4 micro=2"
   zephon verify my_project.data:pipeline --config "numpy D=2 @10 -> torch D=4 B=512"
   zephon verify plan.json --backends numpy --steps 100
+  zephon verify --steps 80 --report build/before        # before a change ...
+  zephon verify --steps 80 --baseline build/before.json # ... and after it: the same fingerprints
 """
 
 def _ints(text: str, what: str) -> list[int]:
@@ -106,12 +116,37 @@ def verify_configs(args: argparse.Namespace) -> list[Any]:
     return configs
 
 
+def _cross(args: argparse.Namespace, builder: Any, configs: list[Any]) -> list[Any]:
+    """The cross-product for this pipeline (`--cross-steps`; none with --only or 0)."""
+    if args.only or not args.cross_steps:
+        return []
+    from zephon.testing.configs import cross_matrix
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    runners = [r.strip() for r in args.runners.split(",") if r.strip() and r.strip() != "none"]
+    micro = next((m for m in _ints(args.micro, "micro") if m > 1), 1)
+    return cross_matrix(min(args.cross_steps, args.steps), batch=int(builder(1, 0).plan.size), backends=backends,
+                        degrees=_ints(args.degrees, "degrees") or [1], runners=runners, micro=micro,
+                        meshes=_meshes(args.meshes), skip=[c.name for c in configs])
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from zephon.testing import Builder, verify
+    from zephon.testing.baseline import BaselineError, compare_baseline, load_baseline
     from zephon.testing.report import write_heatmap
+    from zephon.testing.sessions import SharedRunners
 
     if args.steps < 2:
         raise UsageError(f"--steps {args.steps}: run at least 2 steps")
+    if args.cross_steps and args.cross_steps < 2:
+        raise UsageError(f"--cross-steps {args.cross_steps}: run at least 2 steps (a stop and one after "
+                         "it), or 0 for no cross-product")
+    saved = None
+    if args.baseline:
+        try:
+            saved = load_baseline(args.baseline)
+        except BaselineError as e:
+            raise UsageError(str(e)) from None
     configs = verify_configs(args)
     targets = args.targets or list(DEMO_PIPELINES)
     builders = []
@@ -121,27 +156,42 @@ def cmd_verify(args: argparse.Namespace) -> int:
         builders.append(builder)
     t0 = time.perf_counter()
     reports = []
-    for t, b in zip(targets, builders):
-        name = t if not t.startswith("zephon.cli:") else t.split(":")[1]
-        if not args.quiet:
-            print(f"\n== {name}: {len(configs) + 1} configurations x {args.steps} steps", flush=True)
-        rep = verify(b, configs, args.steps, progress=not args.no_progress, name=name,
-                     timeout=args.timeout)
-        reports.append(rep)
-        if not args.quiet:
-            print(rep.table())
-        print(rep.summary(), flush=True)
+    with SharedRunners():  # processes:N workers started once for every pipeline
+        for t, b in zip(targets, builders):
+            name = t if not t.startswith("zephon.cli:") else t.split(":")[1]
+            cross = _cross(args, b, configs)
+            if not args.quiet:
+                more = f" + {len(cross)} x {args.cross_steps} steps (the cross-product)" if cross else ""
+                print(f"\n== {name}: {len(configs) + 1} configurations x {args.steps} steps{more}", flush=True)
+            rep = verify(b, configs + cross, args.steps, progress=not args.no_progress, name=name,
+                         timeout=args.timeout)
+            reports.append(rep)
+            if not args.quiet:
+                print(rep.table())
+            print(rep.summary(), flush=True)
     wall = time.perf_counter() - t0
     ok = all(r.ok for r in reports)
     total = sum(len([x for x in r.results if x.status != "n/a"]) for r in reports)
+    na = sum(len([x for x in r.results if x.status == "n/a"]) for r in reports)
+    steps = sum(x.steps for r in reports for x in r.results if x.status != "n/a")
     line = (f"zephon verify: {len(reports)} pipeline{'s' if len(reports) > 1 else ''}, {total} "
-            f"configurations, {args.steps} steps each: "
+            f"configurations, {steps} steps (up to {args.steps} a configuration"
+            + (f", {args.cross_steps} in the cross-product" if args.cross_steps and not args.only else "")
+            + f"{f'; {na} not applicable' if na else ''}): "
             + ("ALL IDENTICAL" if ok else "DIFFERENCES FOUND (see above)") + f" in {wall:.0f} s")
+    base = None
+    if saved is not None:
+        base = compare_baseline(reports, saved, args.baseline, requested=args.steps)
+        for m in base.mismatches:
+            print(f"BASELINE: {m}")
+        ok = ok and base.ok
     if args.report:
         out = Path(args.report)
         if out.parent and not out.parent.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
         doc = {"zephon_verify": 1, "ok": ok, "seconds": round(wall, 1), "summary": line,
+               "steps": args.steps, "cross_steps": args.cross_steps,
+               "baseline": None if base is None else base.summary(),
                "pipelines": [r.to_json() for r in reports]}
         Path(f"{out}.json").write_text(json.dumps(doc, indent=1))
         try:
@@ -152,6 +202,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 raise
             line += f"; report: {out}.json (no PNG: the heat map needs matplotlib, pip install 'zephon-loader[plots]')"
     print(line)
+    if base is not None:
+        print(base.summary())
     return 0 if ok else 1
 
 
@@ -177,6 +229,13 @@ def register(sub: Any) -> None:
     v.add_argument("--config", action="append", metavar="CONFIG",
                    help="an extra configuration, e.g. \"torch D=4 micro=2\" or \"numpy D=2 @10 -> jax mesh=2x4\" "
                         "or \"numpy D=2 @10 -> numpy D=8 B=512\" (a resume at another global batch size; repeatable)")
+    v.add_argument("--cross-steps", type=int, default=10, metavar="N",
+                   help="also run the cross-product (emitter x D x runner; stop at one emitter/D/micro, "
+                        "resume at another, with batch-size changes), N steps a configuration, stopping "
+                        "at N/2 (default 10; 0: none)")
+    v.add_argument("--baseline", default=None, metavar="PATH.json",
+                   help="compare every configuration also in this saved report (--report's PATH.json) "
+                        "step by step with its saved fingerprints; exit 1 naming the first that differs")
     v.add_argument("--only", action="store_true", help="run only the --config configurations")
     v.add_argument("--report", default=None, metavar="PATH",
                    help="write PATH.json (every configuration's fingerprints and result) and PATH.png (heat map)")

@@ -1,7 +1,9 @@
 """Configurations: a `Segment` (an emitter, degree, runner, micro-batch count, mesh, workers,
 processes, global batch size, until a step), a `Config` (segments with a stop/save/resume between
 them, parsed from text like `numpy D=2 @10 -> jax mesh=2x4`, or `... -> numpy D=8 B=64` for a
-resume at another global batch size) and the default `matrix` of them."""
+resume at another global batch size), the default `matrix` of them (one dimension at a time) and
+`cross_matrix` (the dimensions crossed: emitter x D x runner, and stop at one emitter/D/micro
+-> resume at another, with batch-size changes)."""
 
 from __future__ import annotations
 
@@ -85,6 +87,8 @@ class Config:
 
     segments: tuple[Segment, ...]
     note: str = ""
+    steps: int | None = None        # global steps this configuration runs (None: the run's `steps`)
+    read_ahead: int | None = None   # the loaders' read_ahead (rows a read aims for; None: theirs)
 
     @property
     def name(self) -> str:
@@ -100,7 +104,8 @@ class Config:
 
     def batch_reference(self) -> Config:
         """numpy D=1 with the same stops and batch sizes: what this configuration must equal."""
-        return Config(tuple(Segment(until=s.until, batch=s.batch) for s in self.segments))
+        return Config(tuple(Segment(until=s.until, batch=s.batch) for s in self.segments), steps=self.steps,
+                      read_ahead=self.read_ahead)
 
     @staticmethod
     def parse(text: str) -> Config:
@@ -242,3 +247,75 @@ def matrix(*, steps: int, backends: Sequence[str] = BACKENDS, degrees: Sequence[
             s2 = Segment(b2, world=1 if b2 == "jax" else d2_, mesh=(8,) if b2 == "jax" else None)
             out.append(Config((s1, s2)))
     return out
+
+
+def placements(backends: Sequence[str] = BACKENDS, degrees: Sequence[int] = (1, 2, 4, 8),
+               meshes: Sequence[tuple[int, ...]] = ((8,), (4, 2), (2, 4))) -> list[Segment]:
+    """Every emitter at every degree (JAX: at every mesh): where a segment can run."""
+    out: list[Segment] = []
+    for b in backends:
+        out += ([Segment("jax", mesh=tuple(m)) for m in meshes] if b == "jax"
+                else [Segment(b, world=d) for d in degrees])
+    return out
+
+
+def cross_matrix(steps: int, *, batch: int | None = None, backends: Sequence[str] = BACKENDS,
+                 degrees: Sequence[int] = (1, 2, 4, 8), runners: Sequence[str] = ("threads:2", "processes:2"),
+                 micro: int = 2, meshes: Sequence[tuple[int, ...]] = ((8,), (4, 2), (2, 4)),
+                 resumes: int = 2, read_ahead: int | None = None, skip: Sequence[str] = ()) -> list[Config]:
+    """The dimensions crossed, each configuration `steps` steps long (a short run: its point is
+    the combination, and a resume compares the steps after it):
+
+    - emitter x degree x runner: every placement (`placements`) under every runner;
+    - stop/resume across emitter x degree x micro-batches x batch size: every placement stops at
+      `steps // 2` (micro-batches on every other one, runners rotating) and resumes `resumes`
+      times, on emitters rotating through `backends` (the j-th placement of an emitter resumes on
+      the j-th, j+1-th, ... emitter: with 2 resumes every ordered pair of emitters occurs at
+      least once), at a degree (mesh) rotating so that the pairs of degrees vary, micro-batches
+      on alternate resumes, and — where `batch`, the pipeline's global batch size, is given —
+      every other resume at another global batch size (twice, then half of it, alternately;
+      `allow_batch_change`).
+
+    Each reads `read_ahead` rows at a time (default: the pipeline's global batch size `batch`):
+    a loader's default (16384 rows) would read ahead hundreds of steps at D=8, most of the cost
+    of a 10-step run; a read of about one global batch puts several reads, and the joins between
+    them, inside the run (read_ahead changes speed, never data: that is checked too).
+    Configurations named in `skip` (those `matrix` runs already) are left out.
+    """
+    rows = read_ahead if read_ahead is not None else batch
+    if steps < 2:
+        raise PlanError(f"the cross-product needs at least 2 steps (a stop and a step after it), got {steps}")
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise PlanError(f"unknown backends {unknown}; choose among {', '.join(BACKENDS)}")
+    places = placements(backends, degrees, meshes)
+    out: list[Config] = []
+    for p in places:
+        out += [Config((replace(p, runner=r),), steps=steps, read_ahead=rows) for r in runners]
+    cycle = ["inline", *runners]
+    at = steps // 2
+    nth: dict[str, int] = {}
+    changes = 0
+    for i, p1 in enumerate(places):
+        j = nth[p1.backend] = nth.get(p1.backend, -1) + 1
+        first = replace(p1, micro=micro if i % 2 else 1, runner=cycle[i % len(cycle)], until=at)
+        for k in range(min(resumes, len(backends))):
+            b2 = backends[(j + k) % len(backends)]
+            cands = [p for p in places if p.backend == b2 and p != p1]
+            if not cands:
+                continue
+            p2 = cands[(i + 2 * k + 1) % len(cands)]
+            size = None
+            if batch and (i + k) % 2 == 1:
+                size = batch * 2 if changes % 2 == 0 else batch // 2
+                changes += 1
+            second = replace(p2, micro=micro if (i + k) % 2 == 0 else 1,
+                             runner=cycle[(i + k + 1) % len(cycle)], batch=size or None)
+            out.append(Config((first, second), steps=steps, read_ahead=rows))
+    seen = set(skip)
+    unique = []
+    for c in out:
+        if c.name not in seen:
+            seen.add(c.name)
+            unique.append(c)
+    return unique

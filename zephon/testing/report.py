@@ -107,7 +107,8 @@ class Report:
 def write_heatmap(reports: Sequence[Report], path: str) -> None:
     """A PNG: one row per configuration, one block of columns (its steps) per pipeline; green
     where a step is identical to the reference, red where it differs, orange for a configuration
-    that failed, grey where it does not apply."""
+    that failed, grey where it does not apply, white past the last step of a configuration that
+    runs fewer steps (the cross-product's)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,7 +125,7 @@ def write_heatmap(reports: Sequence[Report], path: str) -> None:
     for rep, w in zip(reports, widths):
         for res in rep.results:
             i = names.index(res.name)
-            line = np.full(w, {"n/a": 3, "error": 2}.get(res.status, 3), np.int8)
+            line = np.full(w, {"n/a": 3, "error": 2}.get(res.status, 4), np.int8)  # white past its steps
             if res.matches:
                 line[:len(res.matches)] = np.where(res.matches, 0, 1)
             grid[i, col:col + w] = line

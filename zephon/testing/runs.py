@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
@@ -19,7 +20,7 @@ from zephon.testing.configs import BACKENDS, REFERENCE, Config, end_resume
 from zephon.testing.pipeline import Builder, Factory
 from zephon.testing.processes import run_processes
 from zephon.testing.report import Report, RunResult
-from zephon.testing.sessions import NotApplicable, emitter_session
+from zephon.testing.sessions import NotApplicable, emitter_session, shared_runners
 
 
 @dataclass
@@ -49,9 +50,27 @@ def _missing_extra(e: BaseException) -> str | None:
     return None if extra is None else f"{e.name} is not installed: pip install 'zephon-loader[{extra}]'"
 
 
+@dataclass
+class _Stopped:
+    """A run up to a stop, and the state saved there: what configurations that stop the same way share."""
+
+    records: list[StepRecord]
+    batches: list[list[LocalBatch] | None]
+    excluded: frozenset[str]
+    dtypes: dict[str, np.dtype]
+    state: dict[str, Any]
+
+
 def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapping[str, np.dtype] = {},
-               keep_batches: bool = False, timeout: float = 600.0, on_step: Callable[[], None] | None = None) -> Run:
-    """Runs `config` for `steps` global steps. Raises `NotApplicable` when it cannot run."""
+               keep_batches: bool = False, timeout: float = 600.0, on_step: Callable[[], None] | None = None,
+               stops: dict[tuple[str, int], _Stopped] | None = None) -> Run:
+    """Runs `config` for `steps` global steps. Raises `NotApplicable` when it cannot run.
+
+    `stops` (a dict this function fills) shares the segments before a stop between
+    configurations that run them alike: the first to stop after, say, `numpy D=8 @5` runs those
+    steps and saves the state; the others take its step records and resume from a copy of that
+    state (the same document, saved through the same emitter's API: running it again could only
+    give it again, the loader being deterministic, which the repeated reference checks)."""
     run = Run()
     state: dict[str, Any] | None = None
     first = builder(config.segments[0].degree, 0)
@@ -62,6 +81,16 @@ def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapp
         batch = seg.batch if seg.batch is not None else batch
         stop = steps if seg.until is None else min(seg.until, steps)
         last = i == len(config.segments) - 1
+        key = (" -> ".join(s.label() for s in config.segments[:i + 1]) + f" read_ahead={config.read_ahead}", stop)
+        if stops is not None and not last and key in stops:
+            got = stops[key]
+            run.records, run.batches = list(got.records), list(got.batches)
+            run.excluded, run.dtypes = got.excluded, dict(got.dtypes)
+            state = copy.deepcopy(got.state)
+            for _ in range(len(run.records)):
+                if on_step is not None:
+                    on_step()
+            continue
         if seg.procs > 1:
             recs, state, excluded = run_processes(builder, seg, len(run.records), stop, state,
                                                    ref_dtypes, timeout)
@@ -69,7 +98,8 @@ def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapp
             run.batches += [None] * len(recs)
             run.excluded |= frozenset(excluded)
             continue
-        sess = emitter_session(builder, seg, ref_dtypes, batch)
+        options = {} if config.read_ahead is None else {"read_ahead": config.read_ahead}
+        sess = emitter_session(builder, seg, ref_dtypes, batch, options)
         try:
             run.excluded |= frozenset(getattr(sess, "excluded", ()))
             if state is not None:
@@ -90,9 +120,19 @@ def run_config(builder: Builder, config: Config, steps: int, *, ref_dtypes: Mapp
                     on_step()
             if not last:
                 state = sess.state()
+                if stops is not None:
+                    stops[key] = _Stopped(list(run.records), list(run.batches), run.excluded,
+                                          dict(run.dtypes), copy.deepcopy(state))
         finally:
             sess.close()
     return run
+
+
+def _first(run: Run, n: int) -> Run:
+    """`run`'s first `n` steps (a configuration that runs fewer steps than the reference)."""
+    if len(run.records) <= n:
+        return run
+    return Run(run.records[:n], run.batches[:n], run.excluded, run.plan_fingerprint, run.plan_json, run.dtypes)
 
 
 # --- comparing with the reference -------------------------------------------------------------
@@ -175,14 +215,19 @@ def _reference(builder: Builder, steps: int) -> tuple[Run, dict[str, np.dtype]]:
 def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *,
            progress: bool = False, name: str | None = None, timeout: float = 600.0,
            near_end: bool = True) -> Report:
-    """Runs the reference (numpy, D=1) and every configuration for `steps` steps and reports how
-    each compares. Never raises for a difference (see `Report.ok`); raises `FactoryError` /
-    `PlanError` when the pipeline itself cannot be built or run.
+    """Runs the reference (numpy, D=1) and every configuration for `steps` steps (a
+    configuration's own `steps`, if it has one: compared with the reference's first steps) and
+    reports how each compares. Never raises for a difference (see `Report.ok`); raises
+    `FactoryError` / `PlanError` when the pipeline itself cannot be built or run.
 
     A finite pipeline that ends within `steps` is run to its end by every configuration: one
     that ends at another step, or pads otherwise, differs. With `near_end`, such a pipeline is
     also stopped two steps before its end and resumed at another degree and emitter
-    (`end_resume`)."""
+    (`end_resume`).
+
+    What is shared between configurations (see `run_config` and `SharedRunners`): the steps
+    before a stop that several configurations make alike, and the worker processes of the
+    `processes:N` runners."""
     builder = factory if isinstance(factory, Builder) else Builder(factory)
     parsed = [Config.parse(c) if isinstance(c, str) else c for c in configs]
     t0 = time.perf_counter()
@@ -190,73 +235,89 @@ def verify(factory: Factory, configs: Iterable[Config | str], steps: int = 20, *
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=(len(parsed) + 1) * steps, desc=name or builder.name, unit="step",
-                   leave=False, dynamic_ncols=True)
+        bar = tqdm(total=steps + sum(min(c.steps or steps, steps) for c in parsed), desc=name or builder.name,
+                   unit="step", leave=False, dynamic_ncols=True)
     tick = (lambda: bar.update(1)) if bar is not None else None
+    stops: dict[tuple[str, int], _Stopped] = {}
     try:
-        t = time.perf_counter()
-        ref, dtypes = _reference(builder, steps)
-        if bar is not None:
-            bar.update(steps)
-        ref_fps = [record_fingerprint(r) for r in ref.records]
-        finite = len(ref.records) < steps  # the reference ended: every run must end there too
-        if finite and near_end:
-            parsed += end_resume(len(ref.records), [b for b in BACKENDS if any(
-                seg.backend == b for c in parsed for seg in c.segments)] or ["numpy"])
-        batch_refs: dict[Config, Run] = {}  # numpy D=1 under each set of batch-size changes
-        results = [RunResult(REFERENCE.name + " (reference)", "identical", len(ref.records), ref_fps,
-                             [True] * len(ref.records), seconds=time.perf_counter() - t)]
-        for cfg in parsed:
-            if bar is not None:
-                bar.set_postfix_str(cfg.name[:40])
-            t = time.perf_counter()
-            done = 0
-
-            def count() -> None:
-                nonlocal done
-                done += 1
-                if tick is not None:
-                    tick()
-
-            base, note = ref, ""
-            try:
-                if cfg.changes_batch:  # compared with numpy D=1 under the same changes, whose lanes
-                    key = cfg.batch_reference()  # must continue the reference's rows
-                    if key not in batch_refs:
-                        batch_refs[key] = run_config(builder, key, steps if finite else len(ref.records),
-                                                     ref_dtypes=dtypes, keep_batches=True)
-                    base = batch_refs[key]
-                    note = f"compared with {key.name}"
-                run = run_config(builder, cfg, steps if finite else len(ref.records), ref_dtypes=dtypes,
-                                 keep_batches=True, timeout=timeout, on_step=count)
-            except NotApplicable as e:
-                results.append(RunResult(cfg.name, "n/a", note=str(e), seconds=time.perf_counter() - t))
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as e:
-                missing = _missing_extra(e)
-                if missing is not None:
-                    results.append(RunResult(cfg.name, "n/a", note=missing, seconds=time.perf_counter() - t))
-                    continue
-                results.append(RunResult(cfg.name, "error", note=f"{type(e).__name__}: {e}",
-                                         seconds=time.perf_counter() - t,
-                                         detail="".join(traceback.format_exception(e)[-4:])))
-            else:
-                div, matches = divergence(base, run)
-                if base is not ref:
-                    div = lane_stream_divergence(ref, base) or div
-                fps = [record_fingerprint(r) for r in run.records]
-                if run.excluded:
-                    note = "; ".join(x for x in (note, f"not compared: {', '.join(sorted(run.excluded))} "
-                                                      "(JAX cannot hold them)") if x)
-                results.append(RunResult(cfg.name, "identical" if div is None else "differs",
-                                         len(run.records), fps, matches, div, note,
-                                         time.perf_counter() - t))
-            finally:
-                if bar is not None:
-                    bar.update(max(0, len(ref.records) - done))
+        with shared_runners():
+            results, ref = _verify(builder, parsed, steps, bar, tick, stops, timeout, near_end)
     finally:
         if bar is not None:
             bar.close()
     return Report(name or builder.name, len(ref.records), results, ref.plan_fingerprint,
                   time.perf_counter() - t0)
+
+
+def _verify(builder: Builder, parsed: list[Config], steps: int, bar: Any, tick: Callable[[], None] | None,
+            stops: dict[tuple[str, int], _Stopped], timeout: float, near_end: bool
+            ) -> tuple[list[RunResult], Run]:
+    t = time.perf_counter()
+    ref, dtypes = _reference(builder, steps)
+    if bar is not None:
+        bar.update(steps)
+    ref_fps = [record_fingerprint(r) for r in ref.records]
+    finite = len(ref.records) < steps  # the reference ended: every run must end there too
+    if finite and near_end:
+        extra = end_resume(len(ref.records), [b for b in BACKENDS if any(
+            seg.backend == b for c in parsed for seg in c.segments)] or ["numpy"])
+        parsed = parsed + extra
+        if bar is not None:
+            bar.total += steps * len(extra)
+    batch_refs: dict[Config, Run] = {}  # numpy D=1 under each set of batch-size changes
+    results = [RunResult(REFERENCE.name + " (reference)", "identical", len(ref.records), ref_fps,
+                         [True] * len(ref.records), seconds=time.perf_counter() - t)]
+    for cfg in parsed:
+        if bar is not None:
+            bar.set_postfix_str(cfg.name[:40])
+        t = time.perf_counter()
+        done = 0
+        # steps this configuration runs: its own (compared with the reference's first steps), or
+        # the run's (a finite pipeline: to its end, which must be the reference's)
+        n = min(cfg.steps, steps) if cfg.steps is not None else (steps if finite else len(ref.records))
+        own = _first(ref, n)
+
+        def count() -> None:
+            nonlocal done
+            done += 1
+            if tick is not None:
+                tick()
+
+        base, note = own, ""
+        try:
+            if cfg.changes_batch:  # compared with numpy D=1 under the same changes, whose lanes
+                key = cfg.batch_reference()  # must continue the reference's rows
+                if key not in batch_refs:
+                    batch_refs[key] = run_config(builder, key, n, ref_dtypes=dtypes, keep_batches=True,
+                                                 stops=stops)
+                base = batch_refs[key]
+                note = f"compared with {key.name}"
+            run = run_config(builder, cfg, n, ref_dtypes=dtypes, keep_batches=True, timeout=timeout,
+                             on_step=count, stops=stops)
+        except NotApplicable as e:
+            results.append(RunResult(cfg.name, "n/a", note=str(e), seconds=time.perf_counter() - t))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            missing = _missing_extra(e)
+            if missing is not None:
+                results.append(RunResult(cfg.name, "n/a", note=missing, seconds=time.perf_counter() - t))
+                continue
+            results.append(RunResult(cfg.name, "error", note=f"{type(e).__name__}: {e}",
+                                     seconds=time.perf_counter() - t,
+                                     detail="".join(traceback.format_exception(e)[-4:])))
+        else:
+            div, matches = divergence(base, run)
+            if base is not own:
+                div = lane_stream_divergence(ref, base) or div
+            fps = [record_fingerprint(r) for r in run.records]
+            if run.excluded:
+                note = "; ".join(x for x in (note, f"not compared: {', '.join(sorted(run.excluded))} "
+                                                  "(JAX cannot hold them)") if x)
+            results.append(RunResult(cfg.name, "identical" if div is None else "differs",
+                                     len(run.records), fps, matches, div, note,
+                                     time.perf_counter() - t))
+        finally:
+            if bar is not None:
+                bar.update(max(0, n - done))
+    return results, ref

@@ -58,11 +58,85 @@ def _np_micro(batch: LocalBatch, n: int) -> dict[str, np.ndarray]:
     return {k: np.concatenate([p.data[k] for p in parts]) for k in batch.data}
 
 
-def runner_from_spec(spec: str) -> Any:
-    """The runner a configuration names (`inline`, `threads:N`, `processes:N`); None for inline."""
+def runner_from_spec(spec: str, rank: int = 0) -> Any:
+    """The runner `spec` names for rank `rank`'s loader: a new one, or — inside `shared_runners()`,
+    for process runners — the pool's `processes` runner of that spec and rank, lent to one loader
+    at a time (see `SharedRunners`)."""
     from zephon.runners import from_spec
 
-    return None if spec == "inline" else from_spec(spec)
+    if spec == "inline":
+        return None
+    pool = _POOLS[-1] if _POOLS else None
+    if pool is not None and spec.startswith("processes"):
+        return pool.get(spec, rank)
+    return from_spec(spec)
+
+
+class _Lent:
+    """A runner lent to one loader: `close()` (the loader's, at the end of a segment) leaves the
+    workers running for the next loader; `SharedRunners.close` stops them."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def imap(self, fn: Any, items: Any) -> Any:
+        return self._inner.imap(fn, items)
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:  # pickles, workers, depth, ...: the runner's
+        return getattr(self._inner, name)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a copy (a DataLoader worker's) is the runner's copy
+        return (_same, (self._inner,))
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+class SharedRunners:
+    """Process runners kept across configurations: starting worker processes is most of what a
+    short `processes:N` configuration costs, and which process computes a step cannot change it
+    (the runner contract), so every configuration's rank `r` borrows the same `processes:N`
+    runner. Each loader still pickles its own step function to the workers, which compute
+    every step it asks for; only the process start is shared. Use as a context manager."""
+
+    def __init__(self) -> None:
+        self.runners: dict[tuple[str, int], Any] = {}
+
+    def get(self, spec: str, rank: int) -> Any:
+        from zephon.runners import from_spec
+
+        key = (spec, rank)
+        if key not in self.runners:
+            self.runners[key] = from_spec(spec)
+        return _Lent(self.runners[key])
+
+    def close(self) -> None:
+        for r in self.runners.values():
+            r.close()
+        self.runners.clear()
+
+    def __enter__(self) -> SharedRunners:
+        _POOLS.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _POOLS.remove(self)
+        self.close()
+
+
+_POOLS: list[SharedRunners] = []
+
+
+def shared_runners() -> Any:
+    """`with shared_runners():` — the pool in use if there is one (nested calls share it), else a
+    new `SharedRunners` closed at the end of the block."""
+    import contextlib
+
+    return contextlib.nullcontext(_POOLS[-1]) if _POOLS else SharedRunners()
 
 
 def degree_problem(pipe: Pipeline, world: int) -> str | None:
@@ -94,9 +168,9 @@ class _Session:
 class _NumpySession(_Session):
     has_provenance = True
 
-    def __init__(self, pipes: list[Pipeline], seg: Segment) -> None:
+    def __init__(self, pipes: list[Pipeline], seg: Segment, options: Mapping[str, Any] = {}) -> None:
         self.seg = seg
-        self.loaders = [p.loader(Where(rank=r, world=seg.world), How(runner=runner_from_spec(seg.runner)))
+        self.loaders = [p.loader(Where(rank=r, world=seg.world), How(runner=runner_from_spec(seg.runner, r), **options))
                         for r, p in enumerate(pipes)]
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
@@ -119,11 +193,12 @@ class _NumpySession(_Session):
 class _GrainSession(_Session):
     """The Grain-compatible iterator (`get_state`/`set_state`) over every rank."""
 
-    def __init__(self, pipes: list[Pipeline], seg: Segment) -> None:
+    def __init__(self, pipes: list[Pipeline], seg: Segment, options: Mapping[str, Any] = {}) -> None:
         import zephon.compat.grain as zg
 
         self.zg, self.seg = zg, seg
-        self.iters = [zg.Iterator(p.loader(Where(rank=r, world=seg.world), How(runner=runner_from_spec(seg.runner))),
+        self.iters = [zg.Iterator(p.loader(Where(rank=r, world=seg.world),
+                                           How(runner=runner_from_spec(seg.runner, r), **options)),
                                   batched=True)
                       for r, p in enumerate(pipes)]
 
@@ -187,7 +262,7 @@ def torch_round_trip(state: dict[str, Any]) -> dict[str, Any]:
 class _TorchSession(_Session):
     """`TorchLoader` per rank, or `ZephonDataLoader` with `workers` DataLoader workers."""
 
-    def __init__(self, pipes: list[Pipeline], seg: Segment) -> None:
+    def __init__(self, pipes: list[Pipeline], seg: Segment, options: Mapping[str, Any] = {}) -> None:
         from zephon.backends.torch import TorchLoader, ZephonDataLoader, ZephonIterableDataset
 
         self.seg = seg
@@ -195,14 +270,15 @@ class _TorchSession(_Session):
         self.iters: list[Any] = []
         for r, p in enumerate(pipes):
             if seg.workers:
-                ds = ZephonIterableDataset(p, Where(rank=r, world=seg.world), How(runner=runner_from_spec(seg.runner)))
+                ds = ZephonIterableDataset(p, Where(rank=r, world=seg.world),
+                                           How(runner=runner_from_spec(seg.runner, r), **options))
                 # fork after JAX started its threads can deadlock: then start workers clean
                 ctx = "forkserver" if "jax" in sys.modules else None
                 self.loaders.append(ZephonDataLoader(ds, num_workers=seg.workers,
                                                      multiprocessing_context=ctx))
             else:
                 self.loaders.append(TorchLoader(p, Where(rank=r, world=seg.world),
-                                                How(runner=runner_from_spec(seg.runner))))
+                                                How(runner=runner_from_spec(seg.runner, r), **options)))
         self.owned = [p.plan.lanes.owned(r, seg.world) for r, p in enumerate(pipes)]
 
     def _iter(self, r: int) -> Any:
@@ -263,7 +339,8 @@ class JaxSession(_Session):
     """`JaxLoader` over a mesh of this process's devices (or of every process's, under
     jax.distributed); fields JAX cannot hold (bytes, text) are left out and not compared."""
 
-    def __init__(self, pipe: Pipeline, seg: Segment, ref_dtypes: Mapping[str, np.dtype]) -> None:
+    def __init__(self, pipe: Pipeline, seg: Segment, ref_dtypes: Mapping[str, np.dtype],
+                 options: Mapping[str, Any] = {}) -> None:
         import jax
         from jax.sharding import Mesh
 
@@ -281,8 +358,8 @@ class JaxSession(_Session):
         self.excluded = sorted(k for k, d in ref_dtypes.items()
                                if d.kind in "OUS" or (d.kind == "V" and not jax_holds_dtype(d)))
         self.plan = pipe.plan
-        self.loader = JaxLoader(pipe, Where(mesh=mesh, batch_axes=names), How(runner=runner_from_spec(seg.runner)),
-                                exclude=self.excluded)
+        self.loader = JaxLoader(pipe, Where(mesh=mesh, batch_axes=names),
+                                How(runner=runner_from_spec(seg.runner), **options), exclude=self.excluded)
         self.owned = pipe.plan.lanes.owned(self.loader.layout.rank, self.loader.layout.world)
 
     def restore(self, state: dict[str, Any], allow_batch_change: bool = False) -> None:
@@ -310,11 +387,12 @@ class JaxSession(_Session):
         self.loader.close()
 
 
-def emitter_session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.dtype], batch: int | None = None
-                    ) -> _Session:
-    """The emitter of `seg` over all its ranks (at global batch size `batch`, if given). A
-    PlanError while building it (the pipeline built fine for the reference) means this emitter
-    cannot take the pipeline: n/a, with the reason."""
+def emitter_session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.dtype], batch: int | None = None,
+                    options: Mapping[str, Any] = {}) -> _Session:
+    """The emitter of `seg` over all its ranks (at global batch size `batch`, if given; loader
+    `options` such as `read_ahead`, which change speed, never data). A PlanError while building
+    it (the pipeline built fine for the reference) means this emitter cannot take the pipeline:
+    n/a, with the reason."""
     pipes = [builder(seg.degree, r) for r in range(seg.degree if builder.takes_rank else 1)]
     if batch is not None:
         try:
@@ -322,13 +400,13 @@ def emitter_session(builder: Builder, seg: Segment, ref_dtypes: Mapping[str, np.
         except PlanError as e:
             raise NotApplicable(str(e)) from e
     try:
-        return _make_session(builder, pipes, seg, ref_dtypes)
+        return _make_session(builder, pipes, seg, ref_dtypes, options)
     except PlanError as e:
         raise NotApplicable(str(e)) from e
 
 
 def _make_session(builder: Builder, pipes: list[Pipeline], seg: Segment,
-                  ref_dtypes: Mapping[str, np.dtype]) -> _Session:
+                  ref_dtypes: Mapping[str, np.dtype], options: Mapping[str, Any] = {}) -> _Session:
     why = degree_problem(pipes[0], seg.degree)
     if why:
         raise NotApplicable(why)
@@ -348,9 +426,9 @@ def _make_session(builder: Builder, pipes: list[Pipeline], seg: Segment,
         if why:
             raise NotApplicable(why)
     if seg.backend == "numpy":
-        return _NumpySession(pipes, seg)
+        return _NumpySession(pipes, seg, options)
     if seg.backend == "grain":
-        return _GrainSession(pipes, seg)
+        return _GrainSession(pipes, seg, options)
     if seg.backend == "torch":
-        return _TorchSession(pipes, seg)
-    return JaxSession(pipes[0], seg, ref_dtypes)
+        return _TorchSession(pipes, seg, options)
+    return JaxSession(pipes[0], seg, ref_dtypes, options)
