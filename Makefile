@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint verify bench venv clean
+.PHONY: demo test lint verify slow bench venv clean
 
 venv: $(STAMP)
 
@@ -27,8 +27,6 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# The long matrices: the slow tests, then `zephon verify` on the demo pipelines (shuffle, filter,
-# packed LM) over its default matrix; the report goes to build/verify.{json,png}.
 # ruff over the tree; mypy over the installed package layout (zephon/ + backends/ as zephon.backends +
 # compat/ as zephon.compat), which build/typecheck/ mirrors with symlinks so mypy sees the real names.
 lint: $(STAMP) typecheck-tree
@@ -42,9 +40,14 @@ typecheck-tree:
 	ln -s ../../../backends build/typecheck/zephon/backends
 	ln -s ../../../compat build/typecheck/zephon/compat
 
+# The guarantee: `zephon verify` over the demo pipelines (text, images, VLM), every configuration
+# of its matrix against numpy at D=1, step by step; the report goes to build/verify.{json,png}.
 verify: $(STAMP)
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 	$(VENV)/bin/zephon verify --steps 80 --cross-steps 10 --report build/verify
+
+# The long test matrices (@pytest.mark.slow: tokenizer code-point sweeps, storage and process matrices).
+slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/zephon bench

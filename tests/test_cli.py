@@ -28,7 +28,7 @@ def test_verify_checks_a_demo_pipeline_with_runners_and_resumes(capsys):
     """`zephon verify` with no target checks the demo pipelines (make verify); here one of them,
     numpy only, with the threads and processes runners."""
     assert main(["verify", "zephon.cli:demo_filter", "--backends", "numpy", "--runners", "threads:2,processes:2",
-                 "--workers", "0", "--processes", "0", "--steps", "6", "--no-progress"]) == 0
+                 "--workers", "0", "--processes", "0", "--steps", "6", "--cross-steps", "0", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "numpy D=2 runner=processes:2" in out and "numpy D=2 runner=threads:2" in out
     assert "numpy D=8 @2 -> numpy D=1 @3 -> numpy D=4 micro=2" in out
