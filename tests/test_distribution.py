@@ -34,3 +34,21 @@ def test_the_installed_version_is_the_packages():
     import zephon
 
     assert _distribution.version() == zephon.__version__
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject lists packages by hand (backends/ and compat/ install as zephon.backends and
+    zephon.compat): a package directory missing from it would be absent from the wheel."""
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for top, name in (("zephon", "zephon"), ("backends", "zephon.backends"), ("compat", "zephon.compat")):
+        for init in (root / top).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / top).parts
+            found.add(".".join((name, *rel)))
+    missing = sorted(found - listed)
+    assert not missing, f"add these to [tool.setuptools] packages in pyproject.toml: {missing}"
