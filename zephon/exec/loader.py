@@ -51,7 +51,8 @@ class Loader:
         cover just them (merge them); `all_gather` is how ranks agree on a finite count-changing
         plan's end (`zephon.exec.end`; without one, each counts all lanes).
       how: a `zephon.How(runner=, read_ahead=, telemetry=, micro_batches=, domains=)`: speed and
-        reporting, never data (see `zephon.How`). `close()` closes the runner.
+        reporting, never data (see `zephon.How`); `prefetch` means nothing here (the numpy loader
+        computes ahead through its runner). `close()` closes the runner.
       start_step: first global batch (random-access pipelines; others restore a state).
       epoch: the pass over a finite plan (`repeat()`'s order); `set_epoch(e)`; in the state.
       end: the plan's end step if known already (a DataLoader's workers are told it): no counting.
