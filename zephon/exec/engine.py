@@ -33,7 +33,7 @@ from zephon.exec.lanes import LaneEngine, LaneRun
 from zephon.exec.pipeline import LanePipeline
 from zephon.exec.resize import check_micro_schedule
 from zephon.exec.resume import Resume
-from zephon.exec.steps import READ_AHEAD_ROWS, Sink, StepTask, as_source_map
+from zephon.exec.steps import READ_AHEAD_ROWS, Sink, StepTask
 from zephon.pipeline import How, Pipeline, Where
 from zephon.plan import Batching, Mix, Refs
 from zephon.plan.blockshuffle import follow_blocks, resolve_blocks
@@ -62,10 +62,8 @@ class Engine:
         rank, world = where.rank_world()
         lanes, all_gather = where.lanes, where.all_gather
         runner, read_ahead, micro_batches = how.runner, how.read_ahead, how.micro_batches
-        if not isinstance(plan, Batching):
-            raise PlanError("Loader needs a complete plan: stream.lanes(L).batch(B)")
-        #: `{Source id: record source}`
-        self.sources: dict[int, RecordSource] = as_source_map(sources)
+        #: `{Source id: record source}` (the pipeline holds them keyed so already)
+        self.sources: dict[int, RecordSource] = dict(sources)
         plan = resolve_blocks(plan, self.sources)  # block_shuffle(block="auto"): the sources' unit
         _check_sources(plan, self.sources)
         #: how many source ids the plan reads (ids 0..n-1; per-domain accounting)
@@ -74,11 +72,11 @@ class Engine:
         self.stages = LanePipeline.split(transforms, per_source)
         if getattr(runner, "pickles", False):  # processes(): say so now, not at some later batch
             _check_picklable(self.stages.ops)
-        for what, v in (("seed", seed), ("rank", rank), ("world", world), ("epoch", epoch)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise PlanError(f"Loader({what}=...) must be a non-negative integer, got {v!r}")
-        self.seed = int(seed)
-        self.rank, self.world = int(rank), int(world)
+        # seed, rank and world were checked by Pipeline and Where; the epoch is the engine's own
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise PlanError(f"Loader(epoch=...) must be a non-negative integer, got {epoch!r}")
+        self.seed = seed
+        self.rank, self.world = rank, world
         #: the lanes this engine produces, in lane order
         self.owned: np.ndarray = plan.lanes.owned(self.rank, self.world)
         if micro_batches is not None:

@@ -15,7 +15,7 @@ import itertools
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,18 +30,6 @@ from zephon.telemetry import column_bytes
 
 if TYPE_CHECKING:  # annotation only: importing zephon.runners here would load it with the core
     from zephon.runners.base import Runner
-
-
-def as_source_map(sources: RecordSource | Sequence[RecordSource] | Mapping[int, RecordSource]
-                  ) -> dict[int, RecordSource]:
-    if isinstance(sources, Mapping):
-        bad = [k for k in sources if isinstance(k, bool) or not isinstance(k, (int, np.integer))]
-        if bad:
-            raise PlanError(f"sources are keyed by Source id (an int), got keys {bad[:4]}")
-        return {int(k): v for k, v in sources.items()}
-    if isinstance(sources, (list, tuple)):
-        return dict(enumerate(sources))
-    return {0: sources}  # type: ignore[dict-item]
 
 
 def read_refs(sources: Mapping[int, RecordSource], refs: Refs) -> Columns:
