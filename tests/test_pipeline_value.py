@@ -62,7 +62,7 @@ def test_option_groups_refuse_bad_values_with_the_field_named():
         z.Pipeline(z.Source(4).lanes(2), ArraySource({"x": np.arange(4)}))
     with pytest.raises(z.PlanError, match=r"takes a zephon.Where"):
         z.Loader(_pipe(), where={"rank": 0})  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"rank/world/lanes/all_gather go in zephon.Where"):
+    with pytest.raises(TypeError, match=r"\[.rank.\]: rank goes in zephon\.Where"):
         z.Loader(_pipe(), rank=0)
 
 

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # annotations only: the runners and the loader import the cor
     from zephon.runners.base import Runner
     from zephon.sources.base import RecordSource
 
-__all__ = ["How", "Pipeline", "Where", "split_old_form", "split_old_options"]
+__all__ = ["Call", "How", "Pipeline", "Where", "no_rest", "read_call", "split_old_form", "split_old_options"]
 
 AllGather = Callable[[list[int]], list[list[int]]]
 
@@ -311,3 +311,58 @@ def split_old_options(entry: str, where: Where | None, how: How | None, options:
                   f"the next version; use {entry}({new}).", DeprecationWarning, stacklevel=stacklevel)
     rest = {k: v for k, v in options.items() if k not in wk and k not in hk}
     return (Where(**wk) if wk else where), (How(**hk) if hk else how), rest
+
+
+_GROUPS = (("zephon.Where", frozenset(_WHERE_KEYS)), ("zephon.How", frozenset(_HOW_KEYS)),
+           ("zephon.Pipeline", frozenset(("seed", "per_source", "sources", "plan", "transforms"))))
+
+
+@dataclass(frozen=True)
+class Call:
+    """A front door's arguments, read: the pipeline, its two option groups, and the door's own
+    keyword arguments the old form passed among the loader's (`rest`)."""
+
+    pipeline: Pipeline
+    where: Where
+    how: How
+    rest: dict[str, Any]
+
+
+def read_call(entry: str, pipeline: Any, where: Any, how: Any, old_form: dict[str, Any], *,
+              renames: Mapping[str, str] | None = None) -> Call:
+    """A front door's arguments (`zephon.Loader`'s and the backends'): `entry(pipeline, where,
+    how)`, or the deprecated `entry(plan, sources, transforms, **options)` (also with `plan=`,
+    `sources=`, `transforms=` as keywords) split into the groups by `split_old_form`, which
+    warns naming the new form at the caller's line."""
+    if not isinstance(pipeline, Pipeline):
+        if pipeline is None and "plan" in old_form:
+            pipeline = old_form.pop("plan")
+        if where is None and "sources" in old_form:
+            where = old_form.pop("sources")
+        transforms = old_form.pop("transforms", how)
+        if pipeline is None:
+            raise PlanError(f"{entry} needs a zephon.Pipeline(plan, sources, ops): what it reads.")
+        # the warning names the line that called the door: split_old_form <- here <- door <- caller
+        pipe, w, h, rest = split_old_form(entry, pipeline, where, transforms, old_form, renames=renames,
+                                          stacklevel=4)
+        return Call(pipe, w, h, rest)
+    if old_form:
+        hints = []
+        for key in sorted(old_form):
+            key = (renames or {}).get(key, key)
+            group = next((g for g, keys in _GROUPS if key in keys), None)
+            hints.append(f"{key} goes in {group}" if group else f"{key} is not an option of {entry}")
+        raise TypeError(f"{entry}(pipeline, where=, how=) got unexpected keyword arguments "
+                        f"{sorted(old_form)}: {'; '.join(hints)}.")
+    where = Where() if where is None else where
+    how = How() if how is None else how
+    for what, v, cls in (("where", where, Where), ("how", how, How)):
+        if not isinstance(v, cls):
+            raise PlanError(f"{entry}({what}=...) takes a zephon.{cls.__name__}, got {type(v).__name__}")
+    return Call(pipeline, where, how, {})
+
+
+def no_rest(entry: str, rest: Mapping[str, Any]) -> None:
+    """A TypeError naming old-form keyword arguments that belong to no group and not to the door."""
+    if rest:
+        raise TypeError(f"{entry}() got unexpected keyword arguments {sorted(rest)}")

@@ -20,7 +20,7 @@ from typing import Any, overload
 import jax
 from jax.sharding import NamedSharding
 
-from zephon.backends.doors import no_rest, read_call, refuse
+from zephon.backends.doors import refuse
 from zephon.backends.jax.batch import Emitter, JaxBatch
 from zephon.backends.jax.placement import (
     Shardings,
@@ -34,7 +34,7 @@ from zephon.backends.jax.prefetch import End, Failure, Prefetcher
 from zephon.errors import PlanError, WorkerError
 from zephon.exec.loader import Loader, LocalBatch
 from zephon.exec.resize import check_micro_schedule
-from zephon.pipeline import How, Pipeline, Where
+from zephon.pipeline import How, Pipeline, Where, no_rest, read_call
 from zephon.plan import Batching
 from zephon.telemetry import Stats
 from zephon.telemetry import make as telemetry_recorder

@@ -17,14 +17,14 @@ from typing import Any, overload
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from zephon.backends.doors import no_rest, read_call, refuse
+from zephon.backends.doors import refuse
 from zephon.backends.torch.batch import Emitter
 from zephon.backends.torch.placement import all_gather_fn, data_parallel
 from zephon.backends.torch.state import seek_position, state_document
 from zephon.errors import PlanError, StateError
 from zephon.exec.loader import Loader
 from zephon.exec.resize import check_micro_schedule
-from zephon.pipeline import How, Pipeline, Where
+from zephon.pipeline import How, Pipeline, Where, no_rest, read_call
 from zephon.plan import Batching
 from zephon.runners.base import Runner
 

@@ -12,13 +12,13 @@ from typing import Any, overload
 
 import torch
 
-from zephon.backends.doors import no_rest, read_call, refuse
+from zephon.backends.doors import refuse
 from zephon.backends.torch.batch import Emitter
 from zephon.backends.torch.placement import all_gather_fn, data_parallel, mesh_data_parallel, to_dtensors
 from zephon.backends.torch.state import state_document
 from zephon.errors import PlanError
 from zephon.exec.loader import Loader, LocalBatch
-from zephon.pipeline import How, Pipeline, Where
+from zephon.pipeline import How, Pipeline, Where, no_rest, read_call
 from zephon.plan import Batching
 from zephon.sources.base import RecordSource
 from zephon.telemetry import Stats

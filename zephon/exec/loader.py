@@ -29,7 +29,7 @@ from zephon.exec.pipeline import LanePipeline
 from zephon.exec.resize import check_micro_schedule
 from zephon.exec.state import LaneState, check_state, merge_states
 from zephon.ops.base import JSON, Operator, run_transforms
-from zephon.pipeline import How, Pipeline, Where, split_old_form
+from zephon.pipeline import How, Pipeline, Where, no_rest, read_call
 from zephon.plan import Batching, Refs
 from zephon.sources.base import Columns, RecordSource
 from zephon.telemetry import StageSink, Stats, Telemetry
@@ -73,21 +73,9 @@ class Loader:
 
     def __init__(self, pipeline: Pipeline | Batching, where: Any = None, how: Any = None, *,
                  start_step: int = 0, epoch: int = 0, end: int | None = None, **old_form: Any) -> None:
-        if not isinstance(pipeline, Pipeline):  # Loader(plan, sources, transforms, **options)
-            start_step = old_form.pop("start_step", start_step)
-            pipeline, where, how, rest = split_old_form(
-                "zephon.Loader", pipeline, where, old_form.pop("transforms", how), old_form)
-            if rest:
-                raise TypeError(f"Loader() got unexpected keyword arguments {sorted(rest)}")
-        elif old_form:
-            raise TypeError(f"Loader(pipeline, where=, how=) got unexpected keyword arguments {sorted(old_form)}; "
-                            "rank/world/lanes/all_gather go in zephon.Where, runner/read_ahead/telemetry/"
-                            "micro_batches/domains in zephon.How.")
-        where = Where() if where is None else where
-        how = How() if how is None else how
-        for what, v, cls in (("where", where, Where), ("how", how, How)):
-            if not isinstance(v, cls):
-                raise PlanError(f"Loader({what}=...) takes a zephon.{cls.__name__}, got {type(v).__name__}")
+        call = read_call("zephon.Loader", pipeline, where, how, old_form)
+        no_rest("Loader", call.rest)
+        pipeline, where, how = call.pipeline, call.where, call.how
         #: the value this loader reads, and its two option groups
         self.pipeline, self.where, self.how = pipeline, where, how
         #: add per-domain accounting fields to every batch (`How.domains`)
