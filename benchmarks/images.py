@@ -4,15 +4,17 @@ Issue 36's targets, measured in one run on the same images:
 
   limit     the work itself: a 2-process `multiprocessing.Pool` whose workers decode, crop,
             resize and flip the in-memory JPEGs in a plain loop with the same libraries and the
-            same reduced-DCT rule as Zephon (simplejpeg + OpenCV), returning only a checksum —
+            same decode rule as Zephon (`fast_work`: TurboJPEG's region decode at a reduced DCT
+            scale when the `turbojpeg` wheel is installed, else simplejpeg's reduced DCT; OpenCV
+            resize), returning only a checksum —
             no loader, no batch assembly, no transfer: the ceiling for two cores.
   zephon    `Loader(Source(n).shuffle(0).repeat().lanes(8).batch(256), WebDatasetSource(tar
             shards), [DecodeImage("jpg", RandomResizedCrop(224), flip=0.5)], runner=processes(2))`
             -> numpy [256, 224, 224, 3] uint8 batches in the consumer. Target >= 90 % of limit.
   grain     `MapDataset.source(ArrayRecordDataSource(jpeg records)).shuffle(0).repeat()
             .random_map(decode+crop+flip).batch(256).to_iter_dataset().mp_prefetch(2 workers)`,
-            its decode in two variants: Pillow (Grain's tutorials) and the same simplejpeg +
-            OpenCV work as Zephon (the strongest Grain one can write).
+            its decode in two variants: Pillow (Grain's tutorials) and the same `fast_work` as the
+            limit (TurboJPEG or simplejpeg + OpenCV: the strongest Grain one can write).
   torch     `DataLoader(Dataset over JPEG files on disk, batch_size=256, shuffle, num_workers=2)`,
             Pillow decode + RandomResizedCrop + flip as torchvision does for PIL images
             (torchvision itself does not load with the CPU torch pinned here).
@@ -21,9 +23,12 @@ Issue 36's targets, measured in one run on the same images:
   Target: zephon >= 1.2x the best of grain, torch, wds.
 
 Large images (>= 2 MP, the demo's large set), the same pipeline with `reduce=True` (JPEG decoded
-at 1/2, 1/4, 1/8 when the crop is that much larger than 224) against `reduce=False` (full-size
-decode): target >= 3x. Peak RSS of the consumer and of the largest worker is reported for the
-Zephon runs, with the configuration that bounds it.
+at 1/2, 1/4, 1/8 when the crop is that much larger than 224 and, with TurboJPEG, only the crop's
+region) against `reduce=False` (the whole image decoded at full size by the same library — its
+fastest full decode, TurboJPEG's `tj3Decompress8` here; simplejpeg's when the wheel is absent):
+target >= 3x. The JSON names the decoders (`zephon_decoder`, `limit_jpeg_decoder`). Peak RSS of
+the consumer and of the largest worker is reported for the Zephon runs, with the configuration
+that bounds it.
 
 Every case runs `--rounds` times, interleaved, best window kept (load from other work only slows
 a case down); the 1-minute load average before each window is recorded. Writes
@@ -73,20 +78,41 @@ def _box(rng: np.random.Generator, h: int, w: int) -> tuple[int, int, int, int]:
     return (h - s) // 2, (w - s) // 2, s, s
 
 
+def _turbo() -> Any:
+    """`zephon.media.turbo` (ctypes over the `turbojpeg` wheel's libturbojpeg) when it loads."""
+    from zephon.media import turbo
+    return turbo if turbo.available() else None
+
+
+def jpeg_decoder() -> str:
+    """The JPEG library `fast_work` (and Zephon's auto decoder) uses here."""
+    return "TurboJPEG" if _turbo() is not None else "simplejpeg"
+
+
 def fast_work(data: bytes, rng: np.random.Generator, reduce: bool = True) -> np.ndarray:
-    """simplejpeg decode (reduced DCT when the crop allows) + OpenCV bilinear resize + flip."""
+    """Zephon's decode rule written plainly: the crop box from the header; with `reduce`, the
+    JPEG decoded at the largest 1/2, 1/4, 1/8 DCT scale keeping the box >= 224 and (TurboJPEG)
+    only the box's region of it; without, the whole image at full size by the same library.
+    Then OpenCV resize (area when shrinking >= 2x, else bilinear) + flip."""
     import cv2
     import simplejpeg
 
-    h, w, _, _ = simplejpeg.decode_jpeg_header(data)
+    tj = _turbo()
+    h, w = tj.header(data)[:2] if tj is not None else simplejpeg.decode_jpeg_header(data)[:2]
     y, x, ch, cw = _box(rng, h, w)
     f = 1
     while reduce and f < 8 and ch / (2 * f) >= SIZE and cw / (2 * f) >= SIZE:
         f *= 2
-    if f > 1:
-        a = simplejpeg.decode_jpeg(data, min_height=-(-h // f), min_width=-(-w // f))
-        y0, x0 = round(y / f), round(x / f)
-        crop = a[y0:max(y0 + 1, round((y + ch) / f)), x0:max(x0 + 1, round((x + cw) / f))]
+    y0, x0 = min(-(-h // f) - 1, round(y / f)), min(-(-w // f) - 1, round(x / f))
+    y1 = max(y0 + 1, min(-(-h // f), round((y + ch) / f)))
+    x1 = max(x0 + 1, min(-(-w // f), round((x + cw) / f)))
+    if not reduce:
+        full = tj.decode(data) if tj is not None else simplejpeg.decode_jpeg(data)
+        crop = full[y:y + ch, x:x + cw]
+    elif tj is not None:
+        crop = tj.decode(data, f, (y0, x0, y1, x1))
+    elif f > 1:
+        crop = simplejpeg.decode_jpeg(data, min_height=-(-h // f), min_width=-(-w // f))[y0:y1, x0:x1]
     else:
         crop = simplejpeg.decode_jpeg(data)[y:y + ch, x:x + cw]
     shrink = min(crop.shape[0], crop.shape[1]) / SIZE   # antialias a >= 2x shrink, as Zephon does
@@ -337,12 +363,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cv2.setNumThreads(1)
         import simplejpeg
         from PIL import Image
+
+        from zephon.media.decode import decoder_identity
         dims = [simplejpeg.decode_jpeg_header(j)[:2] for j in data["jpegs"][:2000]]
         ldims = [simplejpeg.decode_jpeg_header(j)[:2] for j in data["large_jpegs"]]
         cases: dict[str, Any] = {
             "limit": lambda: limit_stream(data["jpegs"]),
             "zephon": lambda: zephon_stream(data["shards"]),
-            "grain (simplejpeg+OpenCV)": lambda: grain_stream(data["ar"], "fast"),
+            f"grain ({jpeg_decoder()}+OpenCV)": lambda: grain_stream(data["ar"], "fast"),
             "grain (Pillow)": lambda: grain_stream(data["ar"], "pil"),
             "torch DataLoader (Pillow)": lambda: torch_stream(data["files"]),
             "webdataset (Pillow)": lambda: wds_stream(data["shards"]),
@@ -371,6 +399,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "large_images": len(data["large_jpegs"]),
                            "large_mean_pixels": float(np.mean([h * w for h, w in ldims])),
                            "peak_rss": rss, "pillow": Image.__version__, "simplejpeg": simplejpeg.__version__,
+                           "zephon_decoder": decoder_identity(), "limit_jpeg_decoder": jpeg_decoder(),
                            "opencv": cv2.__version__,
                            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                        "loadavg_end": os.getloadavg()},

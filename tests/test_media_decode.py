@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from zephon.errors import DecodeError
+from zephon.media import turbo
 from zephon.media.decode import Decoder, ImageDecodeError, decode_image, decoder_identity, image_format
 
 PIL = pytest.importorskip("PIL.Image")
@@ -27,6 +28,8 @@ def smooth(h: int, w: int) -> np.ndarray:
 
 LIBS = [lib for lib, mod in (("simplejpeg", "simplejpeg"), ("opencv", "cv2"), ("pillow", "PIL"))
         if importlib.util.find_spec(mod)]
+if turbo.available():   # the optional TurboJPEG fast path (the `turbojpeg` wheel's libturbojpeg)
+    LIBS.insert(0, "turbojpeg")
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
