@@ -5,8 +5,11 @@ Why these libraries. Measured on this project's 2-core machine (~500-px JPEGs re
 simplejpeg, 2.08k with OpenCV; decode + random-resized crop 224 + flip 0.86k with Pillow
 (`resize(box=...)`), 1.70k with OpenCV decode + OpenCV resize, 1.82k with simplejpeg + OpenCV
 resize. So JPEG goes through simplejpeg (libjpeg-turbo), PNG and WebP through OpenCV, and every
-resize through OpenCV; each falls back to Pillow when its library is not installed. The numbers
-and the method are in docs/images.md.
+resize through OpenCV; each falls back to Pillow when its library is not installed. When the
+optional `turbojpeg` wheel is installed, JPEG goes through TurboJPEG instead (`zephon.media.turbo`,
+the same libjpeg-turbo code, the same pixels as simplejpeg's): it can decode only a crop's region
+(`decode_region`), which makes a random-resized crop of a large image ~3x cheaper than a full
+decode, where a DCT reduction alone gives ~2.4x. The numbers and the method are in docs/images.md.
 
 Why the decoder is part of an identity: two decoders (or two versions of one) may give different
 pixels for the same bytes (IDCT and chroma upsampling differ), so `decoder_identity()` names the

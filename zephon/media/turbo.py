@@ -122,9 +122,25 @@ def library_version() -> str:
     return f"{metadata.version(DIST)} (libjpeg-turbo {inner})"
 
 
+class _Handle:
+    """One decompressor handle, destroyed with its thread's local storage."""
+
+    __slots__ = ("lib", "pid", "ptr")
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib, self.pid = lib, os.getpid()
+        self.ptr: int = lib.tj3Init(_INIT_DECOMPRESS) or 0
+        if not self.ptr:
+            raise TurboError("tj3Init failed")
+
+    def __del__(self) -> None:
+        if self.ptr and self.pid == os.getpid():
+            self.lib.tj3Destroy(self.ptr)
+            self.ptr = 0
+
+
 class _Handles(threading.local):
-    handle: int | None = None
-    pid: int = -1
+    handle: _Handle | None = None
 
 
 _HANDLES = _Handles()
@@ -134,12 +150,12 @@ def _handle() -> tuple[ctypes.CDLL, int]:
     lib = _lib()
     if lib is None:
         raise TurboError("libturbojpeg is not installed: pip install turbojpeg")
-    if _HANDLES.handle is None or _HANDLES.pid != os.getpid():   # a forked child makes its own
-        h = lib.tj3Init(_INIT_DECOMPRESS)
-        if not h:
-            raise TurboError("tj3Init failed")
-        _HANDLES.handle, _HANDLES.pid = h, os.getpid()
-    return lib, _HANDLES.handle
+    hd = _HANDLES.handle
+    if hd is None or hd.pid != os.getpid():   # a forked child makes its own
+        if hd is not None:
+            hd.ptr = 0                        # the parent's: not ours to destroy
+        hd = _HANDLES.handle = _Handle(lib)
+    return lib, hd.ptr
 
 
 def _error(lib: ctypes.CDLL, h: int) -> TurboError:
@@ -147,8 +163,7 @@ def _error(lib: ctypes.CDLL, h: int) -> TurboError:
     data its decompressor state is not reliably reset: the next image could fail too)."""
     msg = lib.tj3GetErrorStr(h)
     err = TurboError(msg.decode(errors="replace") if msg else "TurboJPEG error")
-    lib.tj3Destroy(h)
-    _HANDLES.handle = None
+    _HANDLES.handle = None   # destroys it
     return err
 
 
