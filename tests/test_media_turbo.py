@@ -121,6 +121,20 @@ def test_corrupt_and_truncated_jpegs_name_the_record(demo_jpegs) -> None:
             assert keep.tolist() == [True, False, True] and out["jpg"].shape == (2, 32, 32, 3)
 
 
+def test_cmyk_jpegs_go_through_pillow() -> None:
+    from PIL import Image
+
+    rgb = np.random.default_rng(1).integers(0, 256, (40, 56, 3), dtype=np.uint8)
+    b = io.BytesIO()
+    Image.fromarray(rgb).convert("CMYK").save(b, "JPEG", quality=95)
+    data = b.getvalue()
+    with pytest.raises(turbo.TurboCMYK):
+        turbo.decode(data)
+    whole = decode_image(data, decoder="turbojpeg")
+    np.testing.assert_array_equal(whole, decode_image(data, decoder="pillow"))
+    np.testing.assert_array_equal(decode_region(data, (3, 5, 20, 30), decoder="turbojpeg"), whole[3:20, 5:30])
+
+
 def test_auto_decoder_is_turbojpeg_and_falls_back_without_it(monkeypatch) -> None:
     from zephon.media import decode as D
 

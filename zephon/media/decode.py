@@ -204,9 +204,10 @@ def decoded_size(data: bytes, *, fmt: str | None = None) -> tuple[int, int]:
 def _decode_full(data: bytes, fmt: str, lib: str, scale: int = 1) -> np.ndarray:
     if lib == "turbojpeg":
         from zephon.media import turbo
-        if turbo.is_cmyk(turbo.header(data)[3]):   # libjpeg-turbo cannot give RGB; Pillow can
+        try:
+            return turbo.decode(data, scale)
+        except turbo.TurboCMYK:   # libjpeg-turbo cannot give RGB; Pillow can
             return _decode_full(data, fmt, "pillow", scale)
-        return turbo.decode(data, scale)
     if lib == "simplejpeg":
         import simplejpeg
         if scale > 1:
@@ -315,10 +316,10 @@ def decode_region(data: bytes, box: tuple[int, int, int, int], *, scale: int = 1
         return decode_image(data, decoder=dec, mode=mode, scale=scale if fmt == "jpeg" else None)[y0:y1, x0:x1]
     from zephon.media import turbo
     try:
-        if turbo.is_cmyk(turbo.header(data)[3]):
-            a = _decode_full(data, fmt, "pillow", scale)[y0:y1, x0:x1]
-        else:
+        try:
             a = turbo.decode(data, scale, box)
+        except turbo.TurboCMYK:   # libjpeg-turbo cannot give RGB; Pillow can
+            a = _decode_full(data, fmt, "pillow", scale)[y0:y1, x0:x1]
     except Exception as e:
         raise ImageDecodeError(f"corrupt or truncated jpeg image ({len(data)} bytes, decoder "
                                f"turbojpeg): {e}") from e

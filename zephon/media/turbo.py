@@ -59,6 +59,10 @@ class TurboError(ValueError):
     """A TurboJPEG call failed (corrupt or truncated data, an unsupported JPEG): its message."""
 
 
+class TurboCMYK(TurboError):
+    """A CMYK or YCCK JPEG: libjpeg-turbo cannot give RGB (Pillow can)."""
+
+
 class _Scaling(ctypes.Structure):
     _fields_ = [("num", ctypes.c_int), ("denom", ctypes.c_int)]
 
@@ -175,17 +179,15 @@ def header(data: bytes) -> tuple[int, int, int, int]:
     return lib.tj3Get(h, _P_HEIGHT), lib.tj3Get(h, _P_WIDTH), lib.tj3Get(h, _P_SUBSAMP), lib.tj3Get(h, _P_COLORSPACE)
 
 
-def is_cmyk(colorspace: int) -> bool:
-    """CMYK / YCCK JPEGs cannot be decoded to RGB by libjpeg-turbo (Pillow can)."""
-    return colorspace in (_CS_CMYK, _CS_YCCK)
-
-
 def decode(data: bytes, scale: int = 1, box: tuple[int, int, int, int] | None = None) -> np.ndarray:
     """RGB pixels [H, W, 3] of the JPEG decoded at 1/`scale` (1, 2, 4, 8); with `box` = (y0, x0,
     y1, x1) in the scaled image, only that box — the same pixels as the whole scaled image sliced
-    `[y0:y1, x0:x1]`. Raises `TurboError` for corrupt or truncated data (warnings included)."""
+    `[y0:y1, x0:x1]`. Raises `TurboError` for corrupt or truncated data (warnings included),
+    `TurboCMYK` for a CMYK / YCCK JPEG."""
     lib, h = _handle()
-    height, width, subsamp, _ = header(data)   # also primes the handle for the calls below
+    height, width, subsamp, colorspace = header(data)   # also primes the handle for the calls below
+    if colorspace in (_CS_CMYK, _CS_YCCK):
+        raise TurboCMYK("a CMYK / YCCK JPEG: libjpeg-turbo cannot decode it to RGB")
     if lib.tj3SetScalingFactor(h, _Scaling(1, scale)) != 0:
         raise _error(lib, h)
     sh, sw = -(-height // scale), -(-width // scale)
