@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from zephon.errors import DecodeError
+from zephon.media import libjpeg
 from zephon.media.decode import Decoder, ImageDecodeError, decode_image, decoder_identity, image_format
 
 PIL = pytest.importorskip("PIL.Image")
@@ -27,6 +28,8 @@ def smooth(h: int, w: int) -> np.ndarray:
 
 LIBS = [lib for lib, mod in (("simplejpeg", "simplejpeg"), ("opencv", "cv2"), ("pillow", "PIL"))
         if importlib.util.find_spec(mod)]
+if libjpeg.available():   # the region decode through libjpeg-turbo (zephon.media.libjpeg)
+    LIBS.insert(0, "libjpeg-turbo")
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])

@@ -7,10 +7,19 @@ every D, runner and emitter.
 """
 
 from zephon.media.augment import CenterCrop, Draws, RandomResizedCrop, Resize, normalize
-from zephon.media.decode import Decoder, ImageDecodeError, decode_image, decoder_identity, image_format
+from zephon.media.decode import (
+    Decoder,
+    ImageDecodeError,
+    decode_image,
+    decode_region,
+    decoder_identity,
+    image_format,
+)
+from zephon.media.libjpeg import add_restart_markers, restart_webdataset
 from zephon.media.ops import AugmentImage, DecodeImage, NormalizeImage
 
 __all__ = [
     "AugmentImage", "CenterCrop", "DecodeImage", "Decoder", "Draws", "ImageDecodeError", "NormalizeImage",
-    "RandomResizedCrop", "Resize", "decode_image", "decoder_identity", "image_format", "normalize",
+    "RandomResizedCrop", "Resize", "add_restart_markers", "decode_image", "decode_region", "decoder_identity",
+    "image_format", "normalize", "restart_webdataset",
 ]

@@ -156,22 +156,31 @@ def reduction_for(box: Box, out: tuple[int, int], limit: int = 8) -> int:
     return f
 
 
+def scaled_box(box: Box, factor: int, ah: int, aw: int) -> tuple[int, int, int, int]:
+    """(y0, x0, y1, x1) of `box` (original pixels) in an image decoded at 1/factor (ah x aw):
+    the corners rounded, at least one pixel kept."""
+    y, x, ch, cw = box
+    if factor > 1:
+        y0, x0 = min(ah - 1, round(y / factor)), min(aw - 1, round(x / factor))
+        return y0, x0, max(y0 + 1, min(ah, round((y + ch) / factor))), max(x0 + 1, min(aw, round((x + cw) / factor)))
+    return y, x, min(ah, y + ch), min(aw, x + cw)
+
+
 def crop_resize(a: np.ndarray, box: Box, out: tuple[int, int], factor: int, resize: str,
                 dst: np.ndarray | None = None, flip: bool = False) -> np.ndarray:
     """Crops `box` (original pixels; `a` decoded at 1/factor) and resizes it to `out` (h, w);
-    flips left-right when `flip`. Writes into `dst` when given (a slot of a preallocated batch).
+    flips left-right when `flip`. Writes into `dst` when given (a slot of a preallocated batch)."""
+    y0, x0, y1, x1 = scaled_box(box, factor, a.shape[0], a.shape[1])
+    return resize_into(a[y0:y1, x0:x1], out, resize, dst, flip)
+
+
+def resize_into(crop: np.ndarray, out: tuple[int, int], resize: str, dst: np.ndarray | None = None,
+                flip: bool = False) -> np.ndarray:
+    """Resizes `crop` [h, w, C] to `out` (h, w), flipped left-right when `flip`, into `dst`.
 
     OpenCV: bilinear when the remaining downscale is under 2x (after a reduced DCT decode it
     always is), area averaging when it is 2x or more — bilinear alone would alias there, which
     is what torchvision's `antialias=True` avoids. Pillow: bilinear with its own antialiasing."""
-    y, x, ch, cw = box
-    ah, aw = a.shape[:2]
-    if factor > 1:   # the box in the reduced image: round the corners, keep at least one pixel
-        y0, x0 = min(ah - 1, round(y / factor)), min(aw - 1, round(x / factor))
-        y1, x1 = max(y0 + 1, min(ah, round((y + ch) / factor))), max(x0 + 1, min(aw, round((x + cw) / factor)))
-    else:
-        y0, x0, y1, x1 = y, x, min(ah, y + ch), min(aw, x + cw)
-    crop = a[y0:y1, x0:x1]
     oh, ow = out
     c = crop.shape[2]
     if dst is None:
@@ -191,7 +200,7 @@ def crop_resize(a: np.ndarray, box: Box, out: tuple[int, int], factor: int, resi
             r = cv2.resize(crop, (ow, oh), interpolation=mode)
     else:
         from PIL import Image
-        im = Image.fromarray(crop[:, :, 0] if c == 1 else crop)
+        im = Image.fromarray(np.ascontiguousarray(crop[:, :, 0] if c == 1 else crop))
         r = np.asarray(im.resize((ow, oh), Image.Resampling.BILINEAR))
         r = r[:, :, None] if r.ndim == 2 else r
     if flip:

@@ -3,10 +3,11 @@
 `DecodeImage` is the hot path. With a geometry (`RandomResizedCrop(224)`, `CenterCrop`,
 `Resize(size=...)`) it reads the image's size from its header, draws the box and the flip from
 the record's own generator, decodes a JPEG at the largest 1/2, 1/4, 1/8 reduction that keeps the
-box at least the output size, and writes the cropped, resized, flipped pixels straight into its
-slot of a preallocated `[n, H, W, C]` uint8 array. Decoded full-size images never accumulate: at
-most one per worker is alive at a time, so decoded-media memory is bounded by the configuration
-(window rows x H x W x C per window in flight, plus one image of at most `max_pixels`).
+box at least the output size (with TurboJPEG only the box's region of it: `decode_region`), and
+writes the cropped, resized, flipped pixels straight into its slot of a preallocated
+`[n, H, W, C]` uint8 array. Decoded full-size images never accumulate: at most one per worker is
+alive at a time, so decoded-media memory is bounded by the configuration (window rows x H x W x C
+per window in flight, plus one image of at most `max_pixels`).
 
 Errors: a corrupt, truncated or unsupported image raises `DecodeError` naming the source, record,
 epoch and field. With `on_error="skip"` the record is dropped instead: the operator becomes a
@@ -24,12 +25,21 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import DecodeError, PlanError
-from zephon.media.augment import Draws, Geometry, crop_resize, normalize, reduction_for
+from zephon.media.augment import (
+    Draws,
+    Geometry,
+    crop_resize,
+    normalize,
+    reduction_for,
+    resize_into,
+    scaled_box,
+)
 from zephon.media.decode import (
     AUTO,
     Decoder,
     as_decoder,
     decode_image,
+    decode_region,
     decoded_size,
     image_format,
     resolved,
@@ -93,8 +103,10 @@ class DecodeImage(Transform):
     mode: 'RGB' (C = 3) or 'L' (C = 1).
     decoder: a `Decoder` or a library name; the resolved libraries and versions are part of the
         identity, so a checkpoint from another decoder is refused.
-    reduce: decode a JPEG at a 1/2, 1/4, 1/8 reduction when the box is that much larger than the
-        output (False: always full size — same random choices, slower, slightly other pixels).
+    reduce: decode only what the box needs: a JPEG at a 1/2, 1/4, 1/8 DCT reduction when the box
+        is that much larger than the output, and, with TurboJPEG (the default decoder when
+        installed), only the box's region of it (False: the whole image at full size — the same
+        random choices, slower, slightly other pixels).
     on_error: 'raise' (DecodeError naming the record and field) or 'skip' (drop the record).
     max_pixels: larger images (by header) are an error (or skipped), bounding decoded memory.
     """
@@ -185,9 +197,13 @@ class DecodeImage(Transform):
                 and rng.random() < self.flip else a
         box, size = geo.plan(rng, h, w)
         flip = self.flip > 0 and rng.random() < self.flip
-        factor = reduction_for(box, size) if (self.reduce and fmt == "jpeg") else 1
-        a = decode_image(data, decoder=dec, mode=self.mode, scale=factor)
-        return crop_resize(a, box, size, factor, dec.resize, dst, flip)
+        if not (self.reduce and fmt == "jpeg"):
+            a = decode_image(data, decoder=dec, mode=self.mode)
+            return crop_resize(a, box, size, 1, dec.resize, dst, flip)
+        factor = reduction_for(box, size)
+        region = scaled_box(box, factor, -(-h // factor), -(-w // factor))
+        crop = decode_region(data, region, scale=factor, decoder=dec, mode=self.mode)
+        return resize_into(crop, size, dec.resize, dst, flip)
 
 
 @dataclass(frozen=True)

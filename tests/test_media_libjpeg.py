@@ -1,0 +1,212 @@
+"""libjpeg-turbo's region decode (zephon.media.libjpeg, the default JPEG decoder when its C module
+is built): a crop gives exactly the pixels of decoding the whole image at that scale and cutting
+the box, on the demo's kinds of JPEGs (large and ImageNet-size, 4:4:4 / 4:2:2 / 4:2:0 /
+grayscale, qualities 70-95), with and without restart markers; `add_restart_markers` is lossless;
+corrupt and truncated bytes give the clear error naming the record whichever box is drawn;
+without the module Zephon falls back to simplejpeg."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from zephon.errors import DecodeError
+from zephon.media import libjpeg
+from zephon.media.decode import decode_image, decode_region, decoder_identity
+
+pytestmark = pytest.mark.skipif(not libjpeg.available(), reason="zephon.media._libjpeg is not built")
+
+
+@pytest.fixture(scope="module")
+def demo_jpegs() -> list[bytes]:
+    """Demo JPEGs made the way `zephon.demo.images` makes them (the same photographs, sizes,
+    qualities and subsamplings): 4 large (>= 2 MP) and 12 ImageNet-size, plus a grayscale one."""
+    from PIL import Image
+
+    from zephon.demo.images import _one, photographs
+
+    photos = photographs()
+    out = [_one(np.random.default_rng([0, i, 1]), photos, True)[0] for i in range(4)]
+    out += [_one(np.random.default_rng([0, i, 0]), photos, False)[0] for i in range(12)]
+    gray = io.BytesIO()
+    Image.open(io.BytesIO(out[-1])).convert("L").save(gray, "JPEG", quality=85)
+    out.append(gray.getvalue())
+    subs = {Image.open(io.BytesIO(d)).layer[0][1:3] if Image.open(io.BytesIO(d)).mode != "L" else "gray"
+            for d in out}
+    assert {(1, 1), (2, 1), (2, 2), "gray"} <= subs, subs   # 4:4:4, 4:2:2, 4:2:0 and grayscale all covered
+    return out
+
+
+def _boxes(rng: np.random.Generator, sh: int, sw: int) -> list[tuple[int, int, int, int]]:
+    edges = [(0, 0, sh, sw), (0, 0, 1, 1), (sh - 1, sw - 1, sh, sw), (0, 16, sh, min(sw, 33)),
+             (sh // 2, sw - 3, sh, sw), (1, 1, sh - 1, sw - 1)]
+    rand = []
+    for _ in range(10):
+        h, w = int(rng.integers(1, sh + 1)), int(rng.integers(1, sw + 1))
+        y, x = int(rng.integers(0, sh - h + 1)), int(rng.integers(0, sw - w + 1))
+        rand.append((y, x, y + h, x + w))
+    return [b for b in edges if b[0] < b[2] and b[1] < b[3]] + rand
+
+
+@pytest.mark.parametrize("restart_px", [None, 8, 64, 10_000])
+def test_region_decode_equals_the_whole_image_sliced(demo_jpegs, restart_px) -> None:
+    """Plain JPEGs (rows above skipped), and JPEGs with restart markers every MCU, every ~64 px
+    and every row (only the box's rectangle of intervals decoded)."""
+    rng = np.random.default_rng(0)
+    checked = 0
+    for data in demo_jpegs:
+        if restart_px is not None:
+            data = libjpeg.add_restart_markers(data, restart_px)
+        for scale in (1, 2, 4, 8):
+            whole = libjpeg.decode(data, scale)
+            sh, sw = whole.shape[:2]
+            for y0, x0, y1, x1 in _boxes(rng, sh, sw):
+                got = libjpeg.decode(data, scale, (y0, x0, y1, x1))
+                np.testing.assert_array_equal(got, whole[y0:y1, x0:x1],
+                                              err_msg=f"restart {restart_px} 1/{scale} {(y0, x0, y1, x1)}")
+                checked += 1
+    assert checked > 1000
+
+
+def test_libjpeg_matches_simplejpeg_and_restart_markers_are_lossless(demo_jpegs) -> None:
+    """The same libjpeg-turbo IDCT and upsampling: the pixels match simplejpeg's at every scale,
+    before and after `add_restart_markers` (which copies the DCT coefficients)."""
+    simplejpeg = pytest.importorskip("simplejpeg")
+    for data in demo_jpegs[:6] + demo_jpegs[-1:]:
+        marked = libjpeg.add_restart_markers(data)
+        assert marked != data and b"\xff\xdd" in marked[:2000]   # a DRI segment in the header
+        h, w = libjpeg.header(data)[:2]
+        for scale in (1, 2, 4):
+            ref = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-h // scale), min_width=-(-w // scale))
+            for d in (data, marked):
+                a = libjpeg.decode(d, scale)
+                np.testing.assert_array_equal(np.repeat(a, 3, 2) if a.shape[2] == 1 else a, ref)
+            np.testing.assert_array_equal(
+                simplejpeg.decode_jpeg(marked, colorspace="RGB", min_height=-(-h // scale), min_width=-(-w // scale)),
+                ref)
+
+
+def test_restart_markers_keep_metadata_and_make_progressive_baseline() -> None:
+    from PIL import Image
+
+    rgb = np.random.default_rng(2).integers(0, 256, (120, 200, 3), dtype=np.uint8)
+    b = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6   # orientation
+    Image.fromarray(rgb).save(b, "JPEG", quality=90, progressive=True, exif=exif, icc_profile=b"\x00icc-bytes")
+    data = b.getvalue()
+    marked = libjpeg.add_restart_markers(data, 32)
+    im = Image.open(io.BytesIO(marked))
+    assert not im.info.get("progressive") and im.getexif()[0x0112] == 6 and im.info["icc_profile"] == b"\x00icc-bytes"
+    np.testing.assert_array_equal(libjpeg.decode(marked), libjpeg.decode(data))
+    np.testing.assert_array_equal(libjpeg.decode(marked, 2, (5, 7, 50, 90)), libjpeg.decode(data, 2)[5:50, 7:90])
+
+
+def test_decode_image_op_crop_path_equals_the_scaled_decode_path(demo_jpegs) -> None:
+    """DecodeImage with the region decode gives the pixels the whole-image-at-scale path gives."""
+    from zephon.media import DecodeImage, RandomResizedCrop
+    from zephon.media.augment import Draws, crop_resize, reduction_for
+    from zephon.ops.base import record_seeds
+    from zephon.plan import Refs
+
+    data = np.array(demo_jpegs[:8], dtype=object)
+    refs = Refs(np.zeros(8, np.int64), np.arange(8), np.zeros(8, np.int64))
+    for mode in ("RGB", "L"):
+        op = DecodeImage("jpg", RandomResizedCrop(64), flip=0.5, decoder="libjpeg-turbo", mode=mode)
+        got = op.apply({"jpg": data}, refs, 5)[0]["jpg"]
+        seeds = record_seeds(5, refs)
+        for i, d in enumerate(demo_jpegs[:8]):
+            rng = Draws(int(seeds[i]))
+            h, w = libjpeg.header(d)[:2]
+            box, size = op.geometry.plan(rng, h, w)
+            flip = rng.random() < 0.5
+            f = reduction_for(box, size)
+            want = crop_resize(decode_image(d, decoder="libjpeg-turbo", scale=f, mode=mode), box, size, f,
+                               "opencv", None, flip)
+            np.testing.assert_array_equal(got[i], want)
+
+
+def test_corrupt_and_truncated_jpegs_name_the_record(demo_jpegs) -> None:
+    from zephon.media import DecodeImage, RandomResizedCrop
+    from zephon.plan import Refs
+
+    good = demo_jpegs[0]
+    marked = libjpeg.add_restart_markers(good)
+    at = marked.index(b"\xff\xd3")                           # the fourth restart marker
+    bad = {1: good[: len(good) // 3],                      # truncated in the middle
+           2: good[:-200],                                # truncated below any crop: no end marker
+           3: good[:400] + b"\x00" * 300,                 # header, then zeros
+           4: marked[:at] + b"\xff\xd5" + marked[at + 2:]}   # a misnumbered restart marker
+    for i, data in bad.items():
+        with pytest.raises(DecodeError, match="corrupt or truncated jpeg"):
+            decode_region(data, (0, 0, 8, 8), scale=8, decoder="libjpeg-turbo")
+        cols = {"jpg": np.array([good, data, good], dtype=object)}
+        refs = Refs(np.zeros(3, np.int64), np.array([10, 10 + i, 12]), np.zeros(3, np.int64))
+        for seed in range(3):   # whichever box is drawn
+            op = DecodeImage("jpg", RandomResizedCrop(32), flip=0.5, decoder="libjpeg-turbo")
+            with pytest.raises(DecodeError, match=rf"record {10 + i} of source 0 .*field 'jpg'.*on_error='skip'"):
+                op.apply(cols, refs, seed)
+            skip = DecodeImage("jpg", RandomResizedCrop(32), decoder="libjpeg-turbo", on_error="skip")
+            out, keep = skip.apply(cols, refs, seed)
+            assert keep.tolist() == [True, False, True] and out["jpg"].shape == (2, 32, 32, 3)
+    with pytest.raises(libjpeg.LibjpegError):
+        libjpeg.add_restart_markers(good[:5000])
+
+
+def test_cmyk_jpegs_go_through_pillow() -> None:
+    from PIL import Image
+
+    rgb = np.random.default_rng(1).integers(0, 256, (40, 56, 3), dtype=np.uint8)
+    b = io.BytesIO()
+    Image.fromarray(rgb).convert("CMYK").save(b, "JPEG", quality=95)
+    data = b.getvalue()
+    with pytest.raises(libjpeg.LibjpegCMYK):
+        libjpeg.decode(data)
+    whole = decode_image(data, decoder="libjpeg-turbo")
+    np.testing.assert_array_equal(whole, decode_image(data, decoder="pillow"))
+    np.testing.assert_array_equal(decode_region(data, (3, 5, 20, 30), decoder="libjpeg-turbo"), whole[3:20, 5:30])
+
+
+def test_a_library_of_another_abi_is_refused(tmp_path) -> None:
+    """load() checks the library's ABI version and struct size; a non-libjpeg file is an OSError."""
+    from zephon.media import _libjpeg  # type: ignore[attr-defined]
+
+    fake = tmp_path / "libjpeg.so.62"
+    fake.write_bytes(b"not a shared library")
+    import subprocess
+    import sys
+    code = ("from zephon.media import _libjpeg\n"
+            f"try:\n    _libjpeg.load({str(fake)!r})\nexcept OSError as e:\n    print('refused:', e)\n"
+            "try:\n    _libjpeg.decode(b'', 8, 0, 0, 0, 0)\nexcept RuntimeError as e:\n    print('unloaded:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "refused: cannot open" in out and "unloaded: zephon.media._libjpeg: load() has not been called" in out
+    assert _libjpeg is not None
+
+
+def test_auto_decoder_is_libjpeg_turbo_and_falls_back_without_it(monkeypatch) -> None:
+    from zephon.media import decode as D
+
+    assert decoder_identity()["jpeg"] == f"libjpeg-turbo {libjpeg.library_version()}"
+    assert libjpeg.library_version()[0].isdigit()
+    monkeypatch.setattr(libjpeg, "available", lambda: False)
+    D._libraries.cache_clear()
+    D.resolved.cache_clear()
+    try:
+        assert not decoder_identity()["jpeg"].startswith("libjpeg-turbo")
+        from PIL import Image
+        b = io.BytesIO()
+        Image.new("RGB", (300, 200), (200, 30, 10)).save(b, "JPEG")
+        from zephon.media import DecodeImage, RandomResizedCrop
+        from zephon.plan import Refs
+        op = DecodeImage("jpg", RandomResizedCrop(32))
+        out = op.apply({"jpg": np.array([b.getvalue()], dtype=object)},
+                       Refs(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)), 0)[0]["jpg"]
+        assert out.shape == (1, 32, 32, 3) and abs(int(out[0, 0, 0, 0]) - 200) < 8
+        with pytest.raises(ValueError, match="not installed"):
+            D.Decoder(jpeg="libjpeg-turbo").resolve()
+    finally:
+        monkeypatch.undo()
+        D._libraries.cache_clear()
+        D.resolved.cache_clear()
