@@ -58,7 +58,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(VENV)/bin/python storage.py && ../$(VENV)/bin/python storage_outage.py
 	cd benchmarks && ../$(VENV)/bin/python shuffle_ab.py
 	cd benchmarks && ../$(VENV)/bin/python vlm.py
-	cd benchmarks && ../$(VENV)/bin/python images.py
+	cd benchmarks && ../$(VENV)/bin/python images.py && ../$(VENV)/bin/python image_decoders.py
 	cd benchmarks && ../$(VENV)/bin/python grain_read_ahead.py
 
 .PHONY: experiment

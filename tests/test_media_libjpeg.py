@@ -210,3 +210,36 @@ def test_auto_decoder_is_libjpeg_turbo_and_falls_back_without_it(monkeypatch) ->
         monkeypatch.undo()
         D._libraries.cache_clear()
         D.resolved.cache_clear()
+
+
+def test_restart_webdataset_and_its_cli_keep_every_member_and_every_pixel(demo_jpegs, tmp_path, capsys) -> None:
+    import tarfile
+
+    from zephon.cli import main
+    from zephon.media import DecodeImage, RandomResizedCrop
+    from zephon.plan import Refs
+    from zephon.sources.webdataset import WebDatasetSource, write_webdataset
+
+    samples = [{"__key__": f"{i:04d}", "jpg": d, "txt": f"caption {i}", "cls": i} for i, d in enumerate(demo_jpegs[:5])]
+    src = tmp_path / "in" / "shard-0000.tar"
+    src.parent.mkdir()
+    write_webdataset(str(src), samples)
+    assert main(["images", "restart", str(src), "--out", str(tmp_path / "out")]) == 0
+    assert "5 JPEGs in 1 shards" in capsys.readouterr().out
+    dst = tmp_path / "out" / "shard-0000.tar"
+    with tarfile.open(src) as a, tarfile.open(dst) as b:
+        assert a.getnames() == b.getnames()
+        for m in a.getmembers():
+            x, y = a.extractfile(m).read(), b.extractfile(m.name).read()
+            assert (x != y and b"\xff\xdd" in y[:2000]) if m.name.endswith(".jpg") else x == y
+    op = DecodeImage("jpg", RandomResizedCrop(48), flip=0.5)
+    refs = Refs(np.zeros(5, np.int64), np.arange(5), np.zeros(5, np.int64))
+    got = [op.apply(WebDatasetSource([str(p)], ["jpg"], decode=False).read(np.arange(5)), refs, 3)[0]["jpg"]
+           for p in (src, dst)]
+    np.testing.assert_array_equal(got[0], got[1])
+
+    samples[2]["jpg"] = demo_jpegs[2][:3000]   # a truncated member: named, and no half shard left
+    write_webdataset(str(src), samples)
+    with pytest.raises(libjpeg.LibjpegError, match=r"shard-0000.tar: member 0002.jpg"):
+        libjpeg.restart_webdataset(src, tmp_path / "bad.tar")
+    assert not (tmp_path / "bad.tar").exists() and not (tmp_path / "bad.tar.tmp").exists()

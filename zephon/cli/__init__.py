@@ -11,6 +11,8 @@ commands:
   explain   which record — or which document pieces, for packed rows — sits at every row of
             a global batch
   state     `state resign FILE`: re-sign a loader state edited by hand (its checksum)
+  images    `images restart SHARD... --out DIR`: JPEG shards with restart markers, so a crop
+            decodes only its own region (lossless)
   bench     throughput against Grain and the raw ArrayRecord limit (about 13 minutes)
 
 examples:
@@ -32,7 +34,7 @@ import sys
 from collections.abc import Sequence
 
 from zephon import __version__
-from zephon.cli import bench, demo, explain, state, verify
+from zephon.cli import bench, demo, explain, images, state, verify
 from zephon.cli.demo import SPEC, make_dataset
 from zephon.cli.pipelines import (
     DEMO_PIPELINES,
@@ -54,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--traceback", action="store_true", help="on an error, print where it was raised")
     p.add_argument("--version", action="version", version=f"zephon {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=Parser)
-    for command in (demo, verify, explain, state, bench):
+    for command in (demo, verify, explain, state, images, bench):
         command.register(sub)
     args, extra = p.parse_known_args(argv)
     if extra and args.cmd != "bench":

@@ -307,8 +307,9 @@ def decode_region(data: bytes, box: tuple[int, int, int, int], *, scale: int = 1
     With libjpeg-turbo (`Decoder(jpeg='libjpeg-turbo')`, the default when its C module is built)
     only the box's columns are transformed and decoding stops after the box's last row (with
     restart markers, only the box's rectangle is decoded at all): the same pixels for a fraction
-    of the work (`zephon.media.libjpeg`). Other decoders decode the whole image and slice. Bytes below the box are not decoded, so a JPEG that does not end with its end-of-image
-    marker (truncated, or followed by padding) is decoded whole instead: a truncated file raises
+    of the work (`zephon.media.libjpeg`). Other decoders decode the whole image and slice.
+    Bytes below the box are not decoded, so a JPEG that does not end with its end-of-image marker
+    (truncated, or followed by padding) is decoded whole instead: a truncated file raises
     `ImageDecodeError` whichever box is asked for."""
     fmt = image_format(data)
     dec = resolved(as_decoder(decoder))
