@@ -14,3 +14,9 @@ assert sorted(np.concatenate(whole).tolist()) == list(range(64)), "one epoch mus
 for step, (a, b) in enumerate(zip(*ranks)):
     assert np.array_equal(np.concatenate([a, b]), whole[step]), f"step {step}: ranks' rows != the global batch"
 print(f"wheel smoke test: zephon {z.__version__} from {z.__file__}: numpy loader ok, 64 records once")
+
+import importlib.util  # noqa: E402
+
+# the C module (setup.py builds it into the wheel; it opens a libjpeg-turbo only when used)
+assert importlib.util.find_spec("zephon.media._libjpeg") is not None, "the wheel lacks zephon.media._libjpeg"
+print("wheel smoke test: zephon.media._libjpeg is in the wheel")

@@ -171,7 +171,7 @@ def test_cmyk_jpegs_go_through_pillow() -> None:
 
 def test_a_library_of_another_abi_is_refused(tmp_path) -> None:
     """load() checks the library's ABI version and struct size; a non-libjpeg file is an OSError."""
-    from zephon.media import _libjpeg  # type: ignore[attr-defined]
+    from zephon.media import _libjpeg
 
     fake = tmp_path / "libjpeg.so.62"
     fake.write_bytes(b"not a shared library")
@@ -243,3 +243,10 @@ def test_restart_webdataset_and_its_cli_keep_every_member_and_every_pixel(demo_j
     with pytest.raises(libjpeg.LibjpegError, match=r"shard-0000.tar: member 0002.jpg"):
         libjpeg.restart_webdataset(src, tmp_path / "bad.tar")
     assert not (tmp_path / "bad.tar").exists() and not (tmp_path / "bad.tar.tmp").exists()
+
+
+def test_a_box_outside_the_image_is_the_callers_error_not_a_corrupt_image(demo_jpegs) -> None:
+    h = libjpeg.header(demo_jpegs[5])[0]
+    with pytest.raises(ValueError, match="is not inside the") as e:
+        decode_region(demo_jpegs[5], (0, 0, -(-h // 2) + 1, 8), scale=2, decoder="libjpeg-turbo")
+    assert not isinstance(e.value, DecodeError)

@@ -193,11 +193,11 @@ def resize_into(crop: np.ndarray, out: tuple[int, int], resize: str, dst: np.nda
         mode = cv2.INTER_AREA if shrink >= 2 else cv2.INTER_LINEAR
         if c == 1:
             r = cv2.resize(crop[:, :, 0], (ow, oh), interpolation=mode)[:, :, None]
-        elif not flip:
+        else:   # straight into the batch's slot, flipped there in place (OpenCV's flip allows it)
             cv2.resize(crop, (ow, oh), dst=dst, interpolation=mode)
+            if flip:
+                cv2.flip(dst, 1, dst=dst)
             return dst
-        else:
-            r = cv2.resize(crop, (ow, oh), interpolation=mode)
     else:
         from PIL import Image
         im = Image.fromarray(np.ascontiguousarray(crop[:, :, 0] if c == 1 else crop))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import metadata
 from typing import Any
@@ -318,11 +318,10 @@ def decode_region(data: bytes, box: tuple[int, int, int, int], *, scale: int = 1
         return decode_image(data, decoder=dec, mode=mode, scale=scale if fmt == "jpeg" else None)[y0:y1, x0:x1]
     from zephon.media import libjpeg
     try:
-        try:
-            a = libjpeg.decode(data, scale, box, rgb=mode == "RGB")
-        except libjpeg.LibjpegCMYK:   # libjpeg-turbo cannot give RGB; Pillow can
-            a = _decode_full(data, fmt, "pillow", scale)[y0:y1, x0:x1]
-    except Exception as e:
+        a = libjpeg.decode(data, scale, box, rgb=mode == "RGB")
+    except libjpeg.LibjpegCMYK:   # libjpeg-turbo cannot give RGB; Pillow can
+        return decode_image(data, decoder=replace(dec, jpeg="pillow"), mode=mode, scale=scale)[y0:y1, x0:x1]
+    except libjpeg.LibjpegError as e:   # (a box outside the image stays the caller's ValueError)
         raise ImageDecodeError(f"corrupt or truncated jpeg image ({len(data)} bytes, decoder "
                                f"libjpeg-turbo): {e}") from e
     return _as_mode(a, mode)

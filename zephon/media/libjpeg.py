@@ -40,6 +40,7 @@ import re
 from functools import cache
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -77,9 +78,9 @@ def library_path() -> Path | None:
 
 
 @cache
-def _module() -> object | None:
+def _module() -> ModuleType | None:
     try:
-        from zephon.media import _libjpeg  # type: ignore[attr-defined]
+        from zephon.media import _libjpeg
     except ImportError as e:   # the C module was not built (no compiler at install time)
         log.debug("zephon.media._libjpeg is not built: %s", e)
         return None
@@ -100,7 +101,7 @@ def available() -> bool:
     return _module() is not None
 
 
-def _lib() -> object:
+def _lib() -> ModuleType:
     m = _module()
     if m is None:
         raise LibjpegError("zephon.media._libjpeg is not available: reinstall zephon-loader with a C compiler "
@@ -122,7 +123,7 @@ def library_version() -> str:
 def header(data: bytes) -> tuple[int, int, int, int]:
     """(height, width, components, jpeg_color_space) from the JPEG header, no pixels."""
     try:
-        return _lib().header(data)  # type: ignore[attr-defined,no-any-return]
+        return _lib().header(data)
     except ValueError as e:
         raise LibjpegError(str(e)) from None
 
@@ -139,7 +140,7 @@ def decode(data: bytes, scale: int = 1, box: tuple[int, int, int, int] | None = 
     if box is not None and (min(y0, x0) < 0 or y0 >= y1 or x0 >= x1):
         raise ValueError(f"box {box} is empty or negative")
     try:
-        buf, rows, xoff, width, c = lib.decode(data, 8 // scale, y0, x0, y1, x1, rgb)  # type: ignore[attr-defined]
+        buf, rows, xoff, width, c = lib.decode(data, 8 // scale, y0, x0, y1, x1, rgb)
     except LookupError as e:
         raise LibjpegCMYK(str(e)) from None
     except ValueError as e:
@@ -158,7 +159,7 @@ def add_restart_markers(data: bytes, every_px: int = RESTART_PX) -> bytes:
     (EXIF, ICC) are kept, a progressive JPEG becomes baseline. Decoding a crop of the result
     (`decode` with a box) entropy-decodes only the rectangle of intervals under the crop."""
     try:
-        return _lib().restart(data, int(every_px))  # type: ignore[attr-defined,no-any-return]
+        return _lib().restart(data, int(every_px))
     except ValueError as e:
         raise LibjpegError(str(e)) from None
 
