@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt setup.py zephon/media/_libjpeg.c
+$(STAMP): pyproject.toml constraints.txt setup.py zephon/media/libjpeg_binding.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt -e '.[all,test,lint,docs,torchtitan,megatron]'

@@ -18,5 +18,6 @@ print(f"wheel smoke test: zephon {z.__version__} from {z.__file__}: numpy loader
 import importlib.util  # noqa: E402
 
 # the C module (setup.py builds it into the wheel; it opens a libjpeg-turbo only when used)
-assert importlib.util.find_spec("zephon.media._libjpeg") is not None, "the wheel lacks zephon.media._libjpeg"
-print("wheel smoke test: zephon.media._libjpeg is in the wheel")
+MODULE = "zephon.media.libjpeg_binding"
+assert importlib.util.find_spec(MODULE) is not None, f"the wheel lacks {MODULE}"
+print("wheel smoke test: zephon.media.libjpeg_binding is in the wheel")

@@ -30,7 +30,7 @@ def cmd_images(args: argparse.Namespace) -> int:
     from zephon.media.libjpeg import available, restart_webdataset
 
     if not available():
-        raise UsageError("zephon images restart needs zephon.media._libjpeg (built at install with a C "
+        raise UsageError("zephon images restart needs zephon.media.libjpeg_binding (built at install with a C "
                          "compiler) and Pillow's libjpeg-turbo; reinstall zephon-loader with both")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ rewrites a JPEG that way, losslessly (the DCT coefficients are copied, so every 
 the same pixels as before): an optional preparation step for data sets read with large crops.
 The numbers are in docs/images.md.
 
-Where the library comes from. The C module `zephon.media._libjpeg` (built with the package)
+Where the library comes from. The C module `zephon.media.libjpeg_binding` (built with the package)
 calls the libjpeg-turbo that Pillow's wheel bundles (`pillow.libs/libjpeg-*.so.62`,
 `PIL/.dylibs/libjpeg.62.dylib`), found through Pillow's file list and opened with dlopen, else
 the system's `libjpeg.so.62`. It is a release of the libjpeg-turbo project, kept current by
@@ -80,20 +80,20 @@ def library_path() -> Path | None:
 @cache
 def _module() -> ModuleType | None:
     try:
-        from zephon.media import _libjpeg
+        from zephon.media import libjpeg_binding
     except ImportError as e:   # the C module was not built (no compiler at install time)
-        log.debug("zephon.media._libjpeg is not built: %s", e)
+        log.debug("zephon.media.libjpeg_binding is not built: %s", e)
         return None
     path = library_path()
     if path is None:
         log.debug("no libjpeg-turbo (6.2 ABI) found beside Pillow or on the system")
         return None
     try:
-        _libjpeg.load(str(path))
+        libjpeg_binding.load(str(path))
     except OSError as e:
         log.debug("libjpeg at %s not usable: %s", path, e)
         return None
-    return _libjpeg
+    return libjpeg_binding
 
 
 def available() -> bool:
@@ -104,7 +104,7 @@ def available() -> bool:
 def _lib() -> ModuleType:
     m = _module()
     if m is None:
-        raise LibjpegError("zephon.media._libjpeg is not available: reinstall zephon-loader with a C compiler "
+        raise LibjpegError("zephon.media.libjpeg_binding is not available: reinstall zephon-loader with a C compiler "
                            "and Pillow installed, or use Decoder(jpeg='simplejpeg')")
     return m
 

@@ -85,7 +85,7 @@ static int setup(struct jpeg_decompress_struct *cinfo, ErrorMgr *err) {
 }
 
 static PyObject *not_loaded(void) {
-  PyErr_SetString(PyExc_RuntimeError, "zephon.media._libjpeg: load() has not been called");
+  PyErr_SetString(PyExc_RuntimeError, "zephon.media.libjpeg_binding: load() has not been called");
   return NULL;
 }
 
@@ -499,6 +499,6 @@ static PyMethodDef methods[] = {
     {"restart", restart, METH_VARARGS, "restart(data, target_px) -> the same JPEG with restart markers."},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_libjpeg", NULL, -1, methods, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "libjpeg_binding", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__libjpeg(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_libjpeg_binding(void) { return PyModule_Create(&module); }
