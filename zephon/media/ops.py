@@ -3,8 +3,8 @@
 `DecodeImage` is the hot path. With a geometry (`RandomResizedCrop(224)`, `CenterCrop`,
 `Resize(size=...)`) it reads the image's size from its header, draws the box and the flip from
 the record's own generator, decodes a JPEG at the largest 1/2, 1/4, 1/8 reduction that keeps the
-box at least the output size (with TurboJPEG only the box's region of it: `decode_region`), and
-writes the cropped, resized, flipped pixels straight into its slot of a preallocated
+box at least the output size (with libjpeg-turbo only the box's region of it: `decode_region`),
+and writes the cropped, resized, flipped pixels straight into its slot of a preallocated
 `[n, H, W, C]` uint8 array. Decoded full-size images never accumulate: at most one per worker is
 alive at a time, so decoded-media memory is bounded by the configuration (window rows x H x W x C
 per window in flight, plus one image of at most `max_pixels`).
@@ -104,8 +104,8 @@ class DecodeImage(Transform):
     decoder: a `Decoder` or a library name; the resolved libraries and versions are part of the
         identity, so a checkpoint from another decoder is refused.
     reduce: decode only what the box needs: a JPEG at a 1/2, 1/4, 1/8 DCT reduction when the box
-        is that much larger than the output, and, with TurboJPEG (the default decoder when
-        installed), only the box's region of it (False: the whole image at full size — the same
+        is that much larger than the output, and, with libjpeg-turbo (the default JPEG
+        decoder), only the box's region of it (False: the whole image at full size — the same
         random choices, slower, slightly other pixels).
     on_error: 'raise' (DecodeError naming the record and field) or 'skip' (drop the record).
     max_pixels: larger images (by header) are an error (or skipped), bounding decoded memory.
