@@ -111,10 +111,8 @@ def fast_work(data: bytes, rng: np.random.Generator, reduce: bool = True) -> np.
     if not reduce:
         full = tj.decode(data) if tj is not None else simplejpeg.decode_jpeg(data)
         crop = full[y:y + ch, x:x + cw]
-        crop = np.repeat(crop, 3, 2) if crop.shape[2] == 1 else crop
     elif tj is not None:
         crop = tj.decode(data, f, (y0, x0, y1, x1))
-        crop = np.repeat(crop, 3, 2) if crop.shape[2] == 1 else crop
     elif f > 1:
         crop = simplejpeg.decode_jpeg(data, min_height=-(-h // f), min_width=-(-w // f))[y0:y1, x0:x1]
     else:

@@ -96,8 +96,7 @@ def test_libjpeg_matches_simplejpeg_and_restart_markers_are_lossless(demo_jpegs)
         for scale in (1, 2, 4):
             ref = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-h // scale), min_width=-(-w // scale))
             for d in (data, marked):
-                a = libjpeg.decode(d, scale)
-                np.testing.assert_array_equal(np.repeat(a, 3, 2) if a.shape[2] == 1 else a, ref)
+                np.testing.assert_array_equal(libjpeg.decode(d, scale), ref)
             np.testing.assert_array_equal(
                 simplejpeg.decode_jpeg(marked, colorspace="RGB", min_height=-(-h // scale), min_width=-(-w // scale)),
                 ref)

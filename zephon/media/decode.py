@@ -9,8 +9,9 @@ resize through OpenCV; each falls back to Pillow when its library is not install
 first through libjpeg-turbo's own libjpeg API (`zephon.media.libjpeg`: Pillow's bundled
 libjpeg-turbo through a small C module; the same IDCT and upsampling as simplejpeg, the same
 pixels): it can decode only a crop's region (`decode_region`), which makes a random-resized crop
-of a large image ~2.7x cheaper than a full decode (~3.4x with restart markers), where a DCT
-reduction alone gives ~1.9x. The numbers and the method are in docs/images.md.
+of a large image ~3x cheaper than a full decode (~3.9x with restart markers), where a DCT
+reduction alone gives ~2.3x (one process, benchmarks/image_decoders.py). The numbers and the
+method are in docs/images.md.
 
 Why the decoder is part of an identity: two decoders (or two versions of one) may give different
 pixels for the same bytes (IDCT and chroma upsampling differ), so `decoder_identity()` names the
@@ -29,7 +30,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
 from typing import Any
@@ -314,14 +315,13 @@ def decode_region(data: bytes, box: tuple[int, int, int, int], *, scale: int = 1
     fmt = image_format(data)
     dec = resolved(as_decoder(decoder))
     y0, x0, y1, x1 = box
-    if fmt != "jpeg" or dec.jpeg != "libjpeg-turbo" or data[-2:] != b"\xff\xd9":
-        return decode_image(data, decoder=dec, mode=mode, scale=scale if fmt == "jpeg" else None)[y0:y1, x0:x1]
-    from zephon.media import libjpeg
-    try:
-        a = libjpeg.decode(data, scale, box, rgb=mode == "RGB")
-    except libjpeg.LibjpegCMYK:   # libjpeg-turbo cannot give RGB; Pillow can
-        return decode_image(data, decoder=replace(dec, jpeg="pillow"), mode=mode, scale=scale)[y0:y1, x0:x1]
-    except libjpeg.LibjpegError as e:   # (a box outside the image stays the caller's ValueError)
-        raise ImageDecodeError(f"corrupt or truncated jpeg image ({len(data)} bytes, decoder "
-                               f"libjpeg-turbo): {e}") from e
-    return _as_mode(a, mode)
+    if fmt == "jpeg" and dec.jpeg == "libjpeg-turbo" and data[-2:] == b"\xff\xd9":
+        from zephon.media import libjpeg
+        try:
+            return _as_mode(libjpeg.decode(data, scale, box, rgb=mode == "RGB"), mode)
+        except libjpeg.LibjpegCMYK:   # decoded whole below, where _decode_full hands it to Pillow
+            pass
+        except libjpeg.LibjpegError as e:   # (a box outside the image stays the caller's ValueError)
+            raise ImageDecodeError(f"corrupt or truncated jpeg image ({len(data)} bytes, decoder "
+                                   f"libjpeg-turbo): {e}") from e
+    return decode_image(data, decoder=dec, mode=mode, scale=scale if fmt == "jpeg" else None)[y0:y1, x0:x1]

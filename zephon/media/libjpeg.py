@@ -140,11 +140,11 @@ def decode(data: bytes, scale: int = 1, box: tuple[int, int, int, int] | None = 
         raise ValueError(f"box {box} is empty or negative")
     try:
         buf, rows, xoff, width, c = lib.decode(data, 8 // scale, y0, x0, y1, x1, rgb)
-    except LookupError as e:
+    except IndexError as e:    # the box is not inside the scaled image: the caller's ValueError
+        raise ValueError(str(e)) from None
+    except LookupError as e:   # (IndexError's parent, so second)
         raise LibjpegCMYK(str(e)) from None
     except ValueError as e:
-        if "is not inside" in str(e):
-            raise ValueError(str(e)) from None
         raise LibjpegError(str(e)) from None
     a = np.frombuffer(buf, np.uint8).reshape(rows, width, c)
     return a if box is None else a[:, x0 - xoff:x1 - xoff]

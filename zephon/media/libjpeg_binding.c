@@ -14,7 +14,7 @@ version and struct size against this header's: another ABI raises instead of mis
 
 Errors: corrupt data, truncation and every libjpeg warning (corrupt-data warnings) raise
 ValueError with libjpeg's message; CMYK/YCCK images raise LookupError (Python falls back to
-Pillow). The GIL is released while decoding, so threads decode in parallel. */
+Pillow); a box outside the image raises IndexError (the caller's mistake, not the data's). The GIL is released while decoding, so threads decode in parallel. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -76,12 +76,11 @@ static void on_message(j_common_ptr cinfo, int level) {
   }
 }
 
-static int setup(struct jpeg_decompress_struct *cinfo, ErrorMgr *err) {
+static void setup(struct jpeg_decompress_struct *cinfo, ErrorMgr *err) {
   cinfo->err = p_jpeg_std_error(&err->pub);
   err->pub.error_exit = on_error;
   err->pub.emit_message = on_message;
   err->message[0] = 0;
-  return 0;
 }
 
 static PyObject *not_loaded(void) {
@@ -323,7 +322,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
   struct jpeg_decompress_struct cinfo;
   ErrorMgr err;
   PyObject *volatile pixels = NULL;
-  volatile int lookup = 0;
+  PyObject *volatile kind = PyExc_ValueError; /* the exception type an error raises */
   Cut cut = {NULL, 0, 0, 0};
   volatile unsigned char *cutbuf = NULL;
   const unsigned char *src = (const unsigned char *)data.buf;
@@ -337,14 +336,14 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     PyEval_RestoreThread(ts);
     Py_XDECREF(pixels);
     PyBuffer_Release(&data);
-    PyErr_SetString(lookup ? PyExc_LookupError : PyExc_ValueError, err.message);
+    PyErr_SetString(kind, err.message);
     return NULL;
   }
   p_jpeg_CreateDecompress(&cinfo, JPEG_LIB_VERSION, sizeof(cinfo));
   p_jpeg_mem_src(&cinfo, src, (unsigned long)srclen);
   p_jpeg_read_header(&cinfo, TRUE);
   if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
-    lookup = 1;
+    kind = PyExc_LookupError;
     snprintf(err.message, sizeof(err.message), "a CMYK/YCCK JPEG: libjpeg-turbo cannot decode it to RGB");
     longjmp(err.jump, 1);
   }
@@ -354,6 +353,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
   if (y1 == 0) y1 = cinfo.output_height;
   if (x1 == 0) x1 = cinfo.output_width;
   if (!(y0 < y1 && y1 <= cinfo.output_height && x0 < x1 && x1 <= cinfo.output_width)) {
+    kind = PyExc_IndexError;
     snprintf(err.message, sizeof(err.message), "box (%u, %u, %u, %u) is not inside the %ux%u scaled image",
              y0, x0, y1, x1, cinfo.output_height, cinfo.output_width);
     longjmp(err.jump, 1);
